@@ -1,0 +1,130 @@
+"""How often a small MNIST classifier recognises generated digits as the label they were asked for.
+
+    python train.py experiment=mnist data.root=../shared/data/mnist
+    python sample.py ckpt=outputs/.../ema.pt num_samples=500 guidance=3 sampler.steps=100
+    python benchmarks/mnist_quality.py --samples outputs/samples/.../samples.npz
+
+The classifier (a small CNN) trains on the same MNIST files at the same 32x32 size, with a seeded
+held-out split whose accuracy is reported beside the samples' (so a weak classifier cannot pass
+weak samples). Prints a table and writes JSON under benchmarks/results/.
+"""
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ddpm.data.sources import MNISTSource
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def classifier() -> nn.Module:
+    """Two conv blocks and a linear head on (B, 1, 32, 32) images in [-1, 1] -> (B, 10) logits."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 16, 10),
+    )  # fmt: skip
+
+
+def to_unit(images: Tensor) -> Tensor:
+    return images.float() / 127.5 - 1.0
+
+
+def train_classifier(images: Tensor, labels: Tensor, *, epochs: int, seed: int) -> tuple[nn.Module, float]:
+    """Train on a seeded 90% split; return the model and its accuracy on the other 10%."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order = torch.randperm(len(images), generator=generator)
+    held, train = order[: len(order) // 10], order[len(order) // 10 :]
+    model = classifier()
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for _ in range(epochs):
+        model.train()
+        for batch in train[torch.randperm(len(train), generator=generator)].split(128):
+            x = to_unit(images[batch])
+            shift = torch.randint(-2, 3, (2,), generator=generator).tolist()  # small translations
+            x = torch.roll(x, shifts=shift, dims=(2, 3))
+            loss = F.cross_entropy(model(x), labels[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return model, accuracy(model, images[held], labels[held])[0]
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: Tensor) -> Tensor:
+    model.eval()
+    return torch.cat([model(to_unit(chunk)).argmax(1) for chunk in images.split(512)])
+
+
+def accuracy(model: nn.Module, images: Tensor, labels: Tensor) -> tuple[float, Tensor]:
+    predicted = predict(model, images)
+    return (predicted == labels).float().mean().item(), predicted
+
+
+def load_samples(path: Path) -> tuple[Tensor, Tensor]:
+    """samples.npz from sample.py: images (N, H, W, C) uint8, labels (N,) int."""
+    with np.load(path) as npz:
+        images, labels = npz["images"], npz["labels"]
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (32, 32, 1):
+        raise ValueError(f"{path}: images {images.shape} {images.dtype}; expected (N, 32, 32, 1) uint8 from sample.py")
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels).long()
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=Path, required=True, help="samples.npz written by sample.py")
+    parser.add_argument("--data-root", default=str(REPO.parent / "shared/data/mnist"), help="MNIST IDX folder")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this sample accuracy")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/mnist_quality.json")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    data = MNISTSource(root=args.data_root).load(image_size=32, channels=1)
+    model, held_out = train_classifier(data.images, data.labels, epochs=args.epochs, seed=args.seed)
+    images, labels = load_samples(args.samples)
+    sample_accuracy, predicted = accuracy(model, images, labels)
+    per_class = {int(c): (predicted[labels == c] == c).float().mean().item() for c in labels.unique()}
+
+    print(f"{'':24}{'accuracy':>10}{'images':>8}")
+    print(f"{'classifier, held out':24}{held_out:>10.3f}{len(data.images) // 10:>8}")
+    print(f"{'generated samples':24}{sample_accuracy:>10.3f}{len(images):>8}")
+    for label, value in per_class.items():
+        print(f"{'  label ' + str(label):24}{value:>10.3f}{int((labels == label).sum()):>8}")
+    result = {
+        "samples": str(args.samples),
+        "sample_accuracy": sample_accuracy,
+        "classifier_held_out_accuracy": held_out,
+        "per_class_accuracy": per_class,
+        "num_samples": len(images),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"-> {args.out}")
+    if sample_accuracy < args.min_accuracy:
+        raise SystemExit(f"sample accuracy {sample_accuracy:.3f} < --min-accuracy {args.min_accuracy}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Sample from a trained model: `python sample.py ckpt=PATH [sampler=ddpm sampler.steps=100 guidance=3 ...]`."""
+
+import hydra
+from omegaconf import DictConfig
+
+from ddpm.sampling import sample
+
+
+@hydra.main(config_path="conf", config_name="sample", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    sample(cfg)
+
+
+if __name__ == "__main__":
+    main()

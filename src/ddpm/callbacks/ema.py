@@ -1,0 +1,143 @@
+"""Exponential moving average of the UNet's weights, as a Lightning callback.
+
+theta_ema <- d * theta_ema + (1 - d) * theta after every optimizer step, with
+d = min(decay, (1 + n) / (10 + n)) when warm-up is on (n = updates so far; the schedule of
+tf.train.ExponentialMovingAverage's num_updates, as used by DDPM's reference code).
+
+Why not Lightning's `EMAWeightAveraging`: it has no warm-up decay (short runs sample from
+almost-initial weights), averages a deep copy of the whole LightningModule (schedule buffers
+included; a deep copy of a module compiled in place would keep calling the original), and at
+`on_train_end` overwrites the trained weights with the average. This callback keeps float32
+copies of `pl_module.net` only, updates them with one fused `lerp_` per optimizer step, writes
+them under the checkpoint key `ema_state_dict` with the network's own parameter names, and
+swaps them in with in-place `copy_` so a compiled network sees them without recompiling.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+CHECKPOINT_KEY = "ema_state_dict"
+
+
+def ema_decay(decay: float, num_updates: int, warmup: bool) -> float:
+    """The decay used for update number `num_updates` (0-based)."""
+    return min(decay, (1 + num_updates) / (10 + num_updates)) if warmup else decay
+
+
+def _tensors(net: nn.Module) -> dict[str, Tensor]:
+    """Parameters and buffers of `net` by name (buffers included: averaged if float, else copied)."""
+    return dict(net.named_parameters()) | dict(net.named_buffers())
+
+
+class EMA(Callback):
+    """Keeps `ema_state_dict` of `pl_module.net`; validation and sample grids run with it swapped in."""
+
+    def __init__(
+        self,
+        *,
+        decay: float = 0.9999,  # target decay d
+        warmup: bool = True,  # d_n = min(decay, (1 + n) / (10 + n))
+        update_every_n_steps: int = 1,  # optimizer steps between updates
+    ) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"ema.decay={decay} must be in [0, 1); 0.9999 is the usual value, 0.999 for short runs")
+        if update_every_n_steps < 1:
+            raise ValueError(f"ema.update_every_n_steps={update_every_n_steps} must be >= 1")
+        self.decay, self.warmup, self.update_every_n_steps = decay, warmup, update_every_n_steps
+        self.num_updates = 0  # updates applied so far
+        self.last_step = 0  # trainer.global_step at the last update check
+        self.shadow: dict[str, Tensor] | None = None  # float32 averages, keyed as net.state_dict()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.shadow is None:
+            self.shadow = {
+                k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+                for k, v in _tensors(pl_module.net).items()
+            }
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.shadow = {k: v.to(pl_module.device) for k, v in self._require_shadow().items()}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # global_step counts optimizer steps: under gradient accumulation it moves once per k batches.
+        if trainer.global_step == self.last_step:
+            return
+        self.last_step = trainer.global_step
+        if trainer.global_step % self.update_every_n_steps == 0:
+            self.update(pl_module.net)
+
+    @torch.no_grad()
+    def update(self, net: nn.Module) -> None:
+        """One EMA step towards the current weights of `net`."""
+        shadow, live = self._require_shadow(), _tensors(net)
+        d = ema_decay(self.decay, self.num_updates, self.warmup)
+        floats = [k for k, v in shadow.items() if v.is_floating_point()]
+        torch._foreach_lerp_([shadow[k] for k in floats], [live[k].detach().float() for k in floats], 1.0 - d)
+        for k, v in shadow.items():
+            if not v.is_floating_point():
+                v.copy_(live[k])
+        self.num_updates += 1
+
+    @contextmanager
+    def averaged(self, net: nn.Module) -> Iterator[None]:
+        """Within the block, `net` holds the EMA weights (copied in place); its own weights come back after."""
+        live = _tensors(net)
+        backup = {k: v.detach().clone() for k, v in live.items()}
+        with torch.no_grad():
+            for k, v in self._require_shadow().items():
+                live[k].copy_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in backup.items():
+                    live[k].copy_(v)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.shadow is not None:
+            self._validation_swap = self.averaged(pl_module.net)
+            self._validation_swap.__enter__()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        swap = getattr(self, "_validation_swap", None)
+        if swap is not None:
+            self._validation_swap = None
+            swap.__exit__(None, None, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "num_updates": self.num_updates, "last_step": self.last_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.num_updates, self.last_step = state_dict["num_updates"], state_dict["last_step"]
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.shadow is not None:
+            checkpoint[CHECKPOINT_KEY] = {k: v.detach().clone() for k, v in self.shadow.items()}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        shadow = self._require_shadow()
+        if CHECKPOINT_KEY not in checkpoint:
+            rank_zero_warn("The checkpoint holds no EMA weights; the EMA starts again from the model's weights.")
+            return
+        saved = checkpoint[CHECKPOINT_KEY]
+        if saved.keys() != shadow.keys():
+            raise ValueError(
+                "The checkpoint's EMA weights do not match this model "
+                f"(missing {sorted(shadow.keys() - saved.keys())[:5]}, "
+                f"unexpected {sorted(saved.keys() - shadow.keys())[:5]}); "
+                "resume with the model config the checkpoint was trained with"
+            )
+        for k, v in saved.items():
+            shadow[k].copy_(v)
+
+    def _require_shadow(self) -> dict[str, Tensor]:
+        if self.shadow is None:
+            raise RuntimeError("The EMA callback has not been set up; it is only used inside Trainer.fit")
+        return self.shadow

@@ -1,0 +1,117 @@
+"""Saves a grid of EMA samples every N optimizer steps (PNG in the run directory, and to the loggers)."""
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torchvision.utils import make_grid, save_image
+
+from ddpm.callbacks.ema import EMA
+from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
+
+
+def find_ema(trainer: pl.Trainer) -> EMA | None:
+    """The trainer's EMA callback, if it has one."""
+    return next((c for c in trainer.callbacks if isinstance(c, EMA)), None)
+
+
+def sample_with_ema(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    *,
+    sampler: Sampler,
+    num_samples: int,
+    guidance: float,
+    seed: int,
+    batch_size: int = 256,
+) -> Generated:
+    """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode."""
+    net, diffusion = pl_module.net, pl_module.diffusion
+    labels = class_cycle(num_samples, net.num_classes) if net.num_classes is not None else None
+    ema = find_ema(trainer)
+    was_training = net.training
+    net.eval()
+    try:
+        with ema.averaged(net) if ema is not None else nullcontext():
+            return generate(
+                net=net,
+                betas=diffusion.betas64(),
+                prediction=diffusion.prediction,
+                sampler=sampler,
+                image_shape=(net.in_channels, net.image_size, net.image_size),
+                num_samples=num_samples,
+                labels=labels,
+                null_class=net.num_classes,
+                guidance=guidance if labels is not None else 0.0,
+                seed=seed,
+                batch_size=batch_size,
+                device=pl_module.device,
+            )
+    finally:
+        net.train(was_training)
+
+
+class SampleGrid(Callback):
+    """Every `every_n_steps` optimizer steps and at the end of training: a grid of EMA samples."""
+
+    def __init__(
+        self,
+        *,
+        sampler: Sampler,  # a fast sampler, e.g. DDPM respaced to 100 steps
+        every_n_steps: int = 1000,  # optimizer steps between grids; 0 = only at the end
+        num_samples: int = 64,  # images per grid (all classes in turn for a conditional model)
+        guidance: float = 0.0,  # classifier-free guidance weight for conditional models
+        seed: int = 0,  # same seed every time, so grids are comparable across steps
+        at_end: bool = True,  # also save a grid when training ends
+    ) -> None:
+        if every_n_steps < 0 or num_samples < 1:
+            raise ValueError(
+                f"callbacks.sample_grid: every_n_steps={every_n_steps} must be >= 0 and num_samples={num_samples} >= 1"
+            )
+        self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
+        self.guidance, self.seed, self.at_end = guidance, seed, at_end
+        self.last_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
+            self.last_step = step
+            self.save(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_end and trainer.global_step != self.last_step:
+            self.save(trainer, pl_module)
+
+    @rank_zero_only
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:
+        """Sample, write samples/step_XXXXXXX.png under the run directory, and log the grid."""
+        out = sample_with_ema(
+            trainer,
+            pl_module,
+            sampler=self.sampler,
+            num_samples=self.num_samples,
+            guidance=self.guidance,
+            seed=self.seed,
+        )
+        nrow = pl_module.net.num_classes or int(self.num_samples**0.5)
+        grid = make_grid(out.images.float() / 255.0, nrow=nrow, padding=2, pad_value=1.0)
+        path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_image(grid, path)
+        caption = "labels: " + " ".join(map(str, out.labels.tolist())) if out.labels is not None else "unconditional"
+        log_grid(trainer, grid, caption)
+        return path
+
+
+def log_grid(trainer: pl.Trainer, grid: torch.Tensor, caption: str) -> None:
+    """Send a (3, H, W) float grid in [0, 1] to the image-capable loggers."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_image(key="samples/grid", images=[grid], caption=[caption], step=trainer.global_step)
+        elif isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image("samples/grid", grid, global_step=trainer.global_step)

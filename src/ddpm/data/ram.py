@@ -1,0 +1,181 @@
+"""RAMDataModule: the whole dataset preloaded once as one uint8 tensor, batches scaled on the device.
+
+Host memory holds (N, C, H, W) uint8 (a quarter of float32), shared with DataLoader workers through
+shared memory; host-to-device copies stay uint8 and `on_after_batch_transfer` maps them to [-1, 1].
+"""
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from ddpm.data.sources import ImageSet, Source
+
+Batch = tuple[Tensor, Tensor]  # images (B, C, H, W), labels (B,) int64
+
+
+class ImageTensorDataset(Dataset[Batch]):
+    """Indexes rows of preloaded tensors; `__getitems__` gathers a whole batch in one indexing op."""
+
+    def __init__(self, images: Tensor, labels: Tensor, index: Tensor) -> None:
+        self.images, self.labels, self.index = images, labels, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> Batch:
+        row = self.index[i]
+        return self.images[row], self.labels[row]
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        rows = self.index[torch.as_tensor(indices)]
+        return self.images[rows], self.labels[rows]
+
+
+def keep_batch(batch: Batch) -> Batch:
+    """Collate for `__getitems__`: the dataset already returns stacked tensors."""
+    return batch
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def scale_to_unit(images: Tensor) -> Tensor:
+    """uint8 [0, 255] -> float32 [-1, 1]: x / 127.5 - 1."""
+    return images.float().div_(127.5).sub_(1.0)
+
+
+def random_hflip(images: Tensor) -> Tensor:
+    """Flip each image left-right with probability 1/2 (on its device, from the global torch RNG)."""
+    flip = torch.rand(images.shape[0], device=images.device) < 0.5
+    return torch.where(flip[:, None, None, None], images.flip(-1), images)
+
+
+def validate_image_set(data: ImageSet, *, image_size: int) -> None:
+    images, labels = data.images, data.labels
+    if images.dtype != torch.uint8:
+        raise ValueError(f"the data source returned {images.dtype} images; sources must return uint8 in [0, 255]")
+    if images.ndim != 4 or images.shape[-2:] != (image_size, image_size):
+        raise ValueError(f"the data source returned images of shape {tuple(images.shape)}, not (N, C, {image_size}, "
+                         f"{image_size}); check data.image_size")  # fmt: skip
+    if len(images) != len(labels):
+        raise ValueError(f"the data source returned {len(images)} images but {len(labels)} labels")
+
+
+class RAMDataModule(pl.LightningDataModule):
+    """Preloads `source` into RAM (uint8) once per process; seeded train/val split; device-side scaling."""
+
+    def __init__(
+        self,
+        *,
+        source: Source,  # a reader from ddpm.data.sources
+        image_size: int,  # H = W of the stored images (the model's image_size)
+        channels: int | None = None,  # convert to 1 or 3 channels; None keeps the source's
+        batch_size: int = 64,  # per device
+        num_workers: int = 0,  # DataLoader workers (0: load in the main process, fine for RAM data)
+        val_size: float | int = 0.05,  # held-out images: a fraction, or a count
+        split_seed: int = 0,  # seed of the train/val split (independent of the run seed)
+        hflip: bool = False,  # random horizontal flips (off for digits)
+        limit: int | None = None,  # use only the first `limit` images (smoke runs, tests)
+        max_ram_fraction: float = 0.5,  # refuse to preload more than this share of the available RAM
+        pin_memory: bool | None = None,  # None: pin when CUDA is available
+        root: str | None = None,  # the dataset folder (the user-facing `data.root`, read by the source)
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        if not (0 < val_size < 1 or (isinstance(val_size, int) and val_size >= 1)):
+            raise ValueError(f"data.val_size={val_size} must be a fraction in (0, 1) or a count >= 1")
+        self.source, self.image_size, self.channels = source, image_size, channels
+        self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
+        self.split_seed, self.hflip, self.limit = split_seed, hflip, limit
+        self.max_ram_fraction, self.root = max_ram_fraction, root
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.data: ImageSet | None = None
+        self.train_set: ImageTensorDataset | None = None
+        self.val_set: ImageTensorDataset | None = None
+
+    @property
+    def num_classes(self) -> int | None:
+        return None if self.data is None else self.data.num_classes
+
+    def prepare_data(self) -> None:
+        self.source.prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.data is not None:
+            return
+        self._check_ram()
+        data = self.source.load(image_size=self.image_size, channels=self.channels)
+        if self.limit is not None:
+            data = ImageSet(data.images[: self.limit], data.labels[: self.limit], data.num_classes)
+        validate_image_set(data, image_size=self.image_size)
+        data.images.share_memory_()  # workers see this storage, no copies (fork or spawn)
+        data.labels.share_memory_()
+        self.data = data
+        train, val = self._split(len(data.images))
+        self.train_set = ImageTensorDataset(data.images, data.labels, train)
+        self.val_set = ImageTensorDataset(data.images, data.labels, val)
+
+    def _check_ram(self) -> None:
+        count = self.source.count() if self.limit is None else min(self.limit, self.source.count())
+        needed = count * (self.channels or 3) * self.image_size**2
+        budget = self.max_ram_fraction * available_ram_bytes()
+        if needed > budget:
+            raise MemoryError(
+                f"preloading {count} images at {self.image_size}x{self.image_size} needs {needed / 2**30:.1f} GiB "
+                f"but data.max_ram_fraction={self.max_ram_fraction} of the available RAM is {budget / 2**30:.1f} "
+                "GiB; lower data.image_size or data.limit, or raise data.max_ram_fraction if the machine has room"
+            )
+
+    def _split(self, n: int) -> tuple[Tensor, Tensor]:
+        n_val = self.val_size if isinstance(self.val_size, int) else max(1, round(n * self.val_size))
+        if n_val >= n:
+            raise ValueError(f"data.val_size={self.val_size} leaves no training images out of {n}; lower it")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.split_seed))
+        train, val = order[n_val:].sort().values, order[:n_val].sort().values
+        if len(train) < self.batch_size:
+            raise ValueError(
+                f"data.batch_size={self.batch_size} exceeds the {len(train)} training images (drop_last=True "
+                "would leave no batch); lower data.batch_size"
+            )
+        return train, val
+
+    def _loader(self, dataset: Dataset[Batch] | None, *, train: bool) -> DataLoader[Batch]:
+        if dataset is None:
+            raise RuntimeError("RAMDataModule.setup() has not run")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+            collate_fn=keep_batch,
+        )
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        return self._loader(self.val_set, train=False)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Batch:
+        images, labels = batch
+        images = scale_to_unit(images)
+        if self.hflip and self.trainer is not None and self.trainer.training:
+            images = random_hflip(images)
+        return images, labels

@@ -1,0 +1,328 @@
+"""Dataset readers: each turns a dataset on disk (or bundled) into one uint8 tensor plus labels.
+
+`Source.load(image_size=S, channels=C)` -> ImageSet(images (N, C, S, S) uint8 in [0, 255], labels (N,)
+int64). Readers know nothing of models or Lightning; the RAM datamodule preloads what they return.
+"""
+
+import gzip
+import pickle
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    images: Tensor  # (N, C, H, W) uint8
+    labels: Tensor  # (N,) int64
+    num_classes: int | None
+
+
+class Source(Protocol):
+    def prepare(self) -> None: ...  # download if asked; runs once per node before `load`
+
+    def count(self) -> int: ...  # number of images, known without decoding them (for the RAM check)
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet: ...
+
+
+def resize_uint8(images: Tensor, size: int) -> Tensor:
+    """(N, C, H, W) uint8 -> (N, C, size, size) uint8, antialiased bilinear, in chunks to bound memory."""
+    if images.shape[-2:] == (size, size):
+        return images
+    out = [
+        F.interpolate(chunk.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        .round()
+        .clamp(0, 255)
+        .to(torch.uint8)
+        for chunk in images.split(4096)
+    ]
+    return torch.cat(out)
+
+
+def fit_to_size(images: Tensor, size: int) -> Tensor:
+    """Pad small square images with a centred zero border (MNIST 28 -> 32, as is standard), else resize."""
+    height = images.shape[-1]
+    if height < size and (size - height) % 2 == 0 and (size - height) <= height // 4:
+        pad = (size - height) // 2
+        return F.pad(images, (pad, pad, pad, pad))
+    return resize_uint8(images, size)
+
+
+def convert_channels(images: Tensor, channels: int | None) -> Tensor:
+    """Grey <-> RGB: repeat the grey plane, or ITU-R 601 luma of RGB."""
+    have = images.shape[1]
+    if channels is None or channels == have:
+        return images
+    if have == 1 and channels == 3:
+        return images.expand(-1, 3, -1, -1).contiguous()
+    if have == 3 and channels == 1:
+        luma = torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)
+        return (images.float() * luma).sum(1, keepdim=True).round().clamp(0, 255).to(torch.uint8)
+    raise ValueError(f"data.channels={channels}: cannot convert {have}-channel images; use 1, 3 or null")
+
+
+def finish(images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None):
+    images = convert_channels(fit_to_size(images, image_size), channels)
+    return ImageSet(images=images.contiguous(), labels=labels.long(), num_classes=num_classes)
+
+
+def require_dir(root: str | Path | None, what: str, fix: str) -> Path:
+    """The dataset directory, or an error that says which value to set."""
+    if root is None or str(root) == "":
+        raise FileNotFoundError(f"data.root is not set; point it at {what} ({fix})")
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.root={root} does not exist (resolved: {path.resolve()}); {fix}")
+    if not any(path.iterdir()):
+        raise FileNotFoundError(f"data.root={root} is empty; it should hold {what} ({fix})")
+    return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class DigitsSource:
+    """scikit-learn's bundled 1,797 real 8x8 handwritten digits (16 grey levels), 10 classes: no download."""
+
+    def prepare(self) -> None:
+        pass
+
+    def count(self) -> int:
+        return 1797
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        grey = torch.from_numpy(digits.images).float().mul(255.0 / 16.0).round().to(torch.uint8)  # (N, 8, 8)
+        labels = torch.from_numpy(digits.target)
+        return finish(grey[:, None], labels, 10, image_size=image_size, channels=channels)
+
+
+# --- MNIST (IDX files, LeCun et al.) -------------------------------------------------------------
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+_DAMAGED = (EOFError, gzip.BadGzipFile, zlib.error)  # a truncated, corrupt or not-gzip .gz file
+
+
+def read_idx_header(path: Path) -> tuple[int, tuple[int, ...]]:
+    try:
+        with _open(path) as f:
+            magic = f.read(4)
+            if len(magic) != 4 or magic[:2] != b"\x00\x00" or magic[2] not in _IDX_DTYPES:
+                raise ValueError(f"{path} is not an IDX file (bad magic {magic!r}); re-download it")
+            ndim = magic[3]
+            dims = f.read(4 * ndim)
+    except _DAMAGED as error:
+        raise ValueError(f"{path} is truncated or corrupt ({error}); re-download it") from error
+    if len(dims) != 4 * ndim:
+        raise ValueError(f"{path} is truncated inside its header; re-download it")
+    return magic[2], struct.unpack(f">{ndim}I", dims)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX array (the MNIST file format), gzip or plain."""
+    code, shape = read_idx_header(path)
+    try:
+        with _open(path) as f:
+            f.seek(4 + 4 * len(shape))
+            data = f.read()
+    except _DAMAGED as error:
+        raise ValueError(f"{path} is truncated or corrupt ({error}); re-download it") from error
+    dtype = np.dtype(_IDX_DTYPES[code])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(f"{path} is truncated: {len(data)} bytes of data, the header says {expected}; re-download")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def find_idx(root: Path, stem: str) -> Path | None:
+    for name in (stem, stem + ".gz"):
+        for folder in (root, root / "MNIST" / "raw"):  # the latter is torchvision's download layout
+            if (folder / name).is_file():
+                return folder / name
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MNISTSource:
+    """MNIST from IDX files under `root` (gz or not): the four standard files, or just the test pair."""
+
+    root: str | None  # folder with the IDX files (or torchvision's MNIST/raw layout)
+    split: Literal["auto", "train", "test", "all"] = "auto"  # auto: train+test if present, else test
+    download: bool = False  # fetch the files with torchvision when they are missing
+
+    def prepare(self) -> None:
+        if self.download and not self._files(quiet=True):
+            from torchvision.datasets import MNIST
+
+            Path(self.root or "data/mnist").mkdir(parents=True, exist_ok=True)
+            for train in (True, False):
+                MNIST(str(self.root), train=train, download=True)
+
+    def _files(self, quiet: bool = False) -> list[tuple[Path, Path]]:
+        if quiet and (self.root is None or not Path(self.root).is_dir()):
+            return []
+        root = require_dir(self.root, "the MNIST IDX files", "set data.root=... or data.source.download=true")
+        found = {s: [find_idx(root, stem) for stem in stems] for s, stems in _MNIST_FILES.items()}
+        complete = {s: tuple(p) for s, p in found.items() if all(p)}
+        wanted = {"auto": ["train", "test"], "all": ["train", "test"]}.get(self.split, [self.split])
+        pairs = [complete[s] for s in wanted if s in complete]
+        if self.split == "all" and len(pairs) < 2 and not quiet:
+            pairs = []
+        if not pairs and not quiet:
+            names = ", ".join(f"{a}[.gz] + {b}[.gz]" for a, b in (_MNIST_FILES[s] for s in wanted))
+            raise FileNotFoundError(
+                f"data.root={self.root} has no MNIST {self.split} files (looked for {names}); "
+                "point data.root at them or set data.source.download=true"
+            )
+        return pairs  # type: ignore[return-value]
+
+    def count(self) -> int:
+        return sum(read_idx_header(images)[1][0] for images, _ in self._files())
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+        arrays = [(read_idx(images), read_idx(labels)) for images, labels in self._files()]
+        for (images, labels), (path, _) in zip(arrays, self._files(), strict=True):
+            if images.ndim != 3 or len(images) != len(labels):
+                raise ValueError(f"{path}: {images.shape} images for {len(labels)} labels; not an MNIST pair")
+        images = torch.from_numpy(np.concatenate([a for a, _ in arrays]).copy())[:, None]  # (N, 1, 28, 28)
+        labels = torch.from_numpy(np.concatenate([b for _, b in arrays]).astype(np.int64))
+        return finish(images, labels, 10, image_size=image_size, channels=channels)
+
+
+# --- CIFAR-10 (Krizhevsky 2009, python pickle batches) --------------------------------------------
+
+_CIFAR_DIR = "cifar-10-batches-py"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CIFAR10Source:
+    """CIFAR-10 from torchvision's `cifar-10-batches-py` folder under `root`; downloads when asked."""
+
+    root: str | None  # folder holding (or to hold) cifar-10-batches-py/
+    split: Literal["train", "test", "all"] = "train"
+    download: bool = False  # fetch and verify the archive with torchvision when missing
+
+    def prepare(self) -> None:
+        if self.download and not (Path(self.root or ".") / _CIFAR_DIR).is_dir():
+            from torchvision.datasets import CIFAR10
+
+            Path(str(self.root)).mkdir(parents=True, exist_ok=True)
+            CIFAR10(str(self.root), train=True, download=True)
+
+    def _batches(self) -> list[Path]:
+        root = require_dir(self.root, f"{_CIFAR_DIR}/", "set data.root=... or data.source.download=true")
+        names = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+        wanted = names["train"] + names["test"] if self.split == "all" else names[self.split]
+        paths = [root / _CIFAR_DIR / name for name in wanted]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"data.root={self.root} lacks {_CIFAR_DIR}/{missing}; set data.source.download=true or fix data.root"
+            )
+        return paths
+
+    def count(self) -> int:
+        return 10_000 * len(self._batches())
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+        images, labels = [], []
+        for path in self._batches():
+            with path.open("rb") as f:
+                try:
+                    batch = pickle.load(f, encoding="latin1")
+                except Exception as error:  # garbage bytes raise almost anything (KeyError, MemoryError, ...)
+                    raise ValueError(f"{path} is corrupt ({error!r}); delete it and re-download") from error
+            if not isinstance(batch, dict) or "data" not in batch or "labels" not in batch:
+                raise ValueError(f"{path} is not a CIFAR-10 batch (no 'data' and 'labels'); delete it and re-download")
+            images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.append(np.asarray(batch["labels"], dtype=np.int64))
+        tensor = torch.from_numpy(np.concatenate(images))
+        return finish(tensor, torch.from_numpy(np.concatenate(labels)), 10, image_size=image_size, channels=channels)
+
+
+# --- A folder of images, one sub-folder per class --------------------------------------------------
+
+_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageFolderSource:
+    """root/<class>/<image>: classes are the sorted sub-folder names; resized and centre-cropped at preload."""
+
+    root: str | None  # the folder of class sub-folders
+    conditional: bool = True  # False: one class (labels all 0, num_classes None)
+
+    def _files(self) -> list[tuple[Path, int]]:
+        root = require_dir(self.root, "one sub-folder of images per class", "set data.root=...")
+        # Class folders: visible sub-folders holding at least one image (skips .ipynb_checkpoints and empties).
+        classes = sorted(
+            p
+            for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and any(f.suffix.lower() in _EXTENSIONS for f in p.rglob("*"))
+        )
+        files = [
+            (path, label)
+            for label, folder in enumerate(classes)
+            for path in sorted(folder.rglob("*"))
+            if path.suffix.lower() in _EXTENSIONS
+        ]
+        if not files:
+            raise FileNotFoundError(
+                f"data.root={self.root} has no images in class sub-folders (root/<class>/*.png|jpg...); fix data.root"
+            )
+        return files
+
+    def prepare(self) -> None:
+        pass
+
+    def count(self) -> int:
+        return len(self._files())
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+        from PIL import Image, UnidentifiedImageError
+
+        mode = "L" if channels == 1 else "RGB"
+        files = self._files()
+        images = torch.empty(len(files), 1 if mode == "L" else 3, image_size, image_size, dtype=torch.uint8)
+        for i, (path, _) in enumerate(files):
+            try:
+                with Image.open(path) as image:
+                    images[i] = _centre_crop(image.convert(mode), image_size)
+            except (UnidentifiedImageError, OSError) as error:
+                raise ValueError(f"{path} is not a readable image ({error}); remove or replace it") from error
+        labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
+        num_classes = len({label for _, label in files}) if self.conditional else None
+        return ImageSet(images=images, labels=labels.long(), num_classes=num_classes)
+
+
+def _centre_crop(image, size: int) -> Tensor:
+    """Resize the short side to `size` (bicubic, antialiased), crop the centre square; -> (C, size, size)."""
+    from PIL import Image
+
+    scale = size / min(image.size)
+    width, height = max(size, round(image.size[0] * scale)), max(size, round(image.size[1] * scale))
+    image = image.resize((width, height), Image.Resampling.BICUBIC)
+    left, top = (width - size) // 2, (height - size) // 2
+    array = np.asarray(image.crop((left, top, left + size, top + size)), dtype=np.uint8)
+    array = array[:, :, None] if array.ndim == 2 else array
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)

@@ -1,0 +1,68 @@
+"""The one guided model call that every sampler shares.
+
+`GuidedModel` turns a network net(x_t, t, y) into (eps, x0) predictions in float32, with
+classifier-free guidance eps = (1 + w) eps_cond - w eps_uncond (Ho & Salimans 2022, eq. 6)
+computed in one batched forward of [cond; uncond].
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddpm.diffusion.gaussian import Prediction, eps_and_x0
+from ddpm.diffusion.schedule import alpha_bar_from_betas
+
+Net = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+@dataclass(frozen=True)
+class Denoised:
+    """Predictions at one step: eps and x0, both (B, C, H, W) float32."""
+
+    eps: Tensor
+    x0: Tensor
+
+
+class GuidedModel:
+    """Wraps a network as (x_t, t, y) -> Denoised with guidance; counts network evaluations."""
+
+    def __init__(
+        self,
+        *,
+        net: Net,  # the (EMA) network, net(x_t, t, y) -> eps or v
+        betas: Tensor,  # (T,) the training schedule, float64
+        prediction: Prediction = "eps",  # what the network outputs
+        guidance: float = 0.0,  # w of classifier-free guidance; 0 = plain conditional sampling
+        null_class: int | None = None,  # index of the null label; None for an unconditional network
+    ) -> None:
+        if guidance != 0 and null_class is None:
+            raise ValueError(
+                f"guidance={guidance} needs a class-conditional model, but this one is unconditional "
+                "(model.num_classes: null); set guidance=0 or train with model.num_classes set"
+            )
+        if guidance < 0:
+            raise ValueError(f"guidance={guidance} must be >= 0 (0 = no guidance; 1-5 are usual)")
+        self.net, self.prediction, self.guidance, self.null_class = net, prediction, guidance, null_class
+        self.betas = betas.double()
+        self.alpha_bar = alpha_bar_from_betas(self.betas)  # (T,) float64
+        self.num_timesteps = len(betas)
+        self.nfe = 0  # network forward calls so far (a batched cond+uncond call counts once)
+
+    def __call__(self, x_t: Tensor, t: Tensor, y: Tensor | None) -> Denoised:
+        """x_t: (B, C, H, W) float32; t: (B,) int64 timesteps of the training schedule; y: (B,) or None."""
+        self.nfe += 1
+        output = self._guided_output(x_t, t, y).float()
+        a = self.alpha_bar.to(x_t.device)[t].float().view(-1, 1, 1, 1)
+        eps, x0 = eps_and_x0(output, x_t, a, self.prediction)
+        return Denoised(eps=eps, x0=x0)
+
+    def _guided_output(self, x_t: Tensor, t: Tensor, y: Tensor | None) -> Tensor:
+        if self.guidance == 0 or y is None:
+            return self.net(x_t, t, y)
+        uncond = torch.full_like(y, self.null_class)
+        both = self.net(torch.cat([x_t, x_t]), torch.cat([t, t]), torch.cat([y, uncond])).float()
+        cond, free = both.chunk(2)
+        # Guidance is linear in the output, so mixing v (or eps) equals mixing eps.
+        return (1 + self.guidance) * cond - self.guidance * free

@@ -1,0 +1,115 @@
+"""DiffusionModule: the LightningModule that owns the UNet, the schedule and the optimizer settings."""
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.models.unet import UNet
+from ddpm.optim import AdamW
+
+Batch = tuple[Tensor, Tensor]  # images (B, C, H, W) float in [-1, 1], labels (B,) int64
+
+
+class DiffusionModule(pl.LightningModule):
+    """Trains `net` with `diffusion.loss`; validation loss at fixed timesteps and noise (EMA weights)."""
+
+    def __init__(
+        self,
+        *,
+        net: UNet,  # the denoising network
+        diffusion: GaussianDiffusion,  # schedule and objective
+        optim: AdamW,  # optimizer and LR schedule settings
+        compile: bool = False,  # torch.compile the network in place (configure_model)
+        val_timesteps: int = 10,  # size of the fixed timestep grid of val/loss
+        val_seed: int = 1234,  # seed of the fixed validation noise
+        run_config: dict[str, Any] | None = None,  # resolved run config, stored so sample.py can rebuild
+    ) -> None:
+        super().__init__()
+        if val_timesteps < 1:
+            raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
+        self.net, self.diffusion, self.optim = net, diffusion, optim
+        self.compile_net, self.val_seed = compile, val_seed
+        grid = torch.linspace(0, diffusion.num_timesteps - 1, val_timesteps).round().long()
+        self.register_buffer("val_grid", grid, persistent=False)  # (K,) timesteps of val/loss
+        self.save_hyperparameters({"config": run_config or {}})
+        self._checked = {"train": False, "val": False}
+
+    def configure_model(self) -> None:
+        # In place, so parameter names (checkpoints, EMA) carry no `_orig_mod.` prefix.
+        if self.compile_net and getattr(self.net, "_compiled_call_impl", None) is None:
+            self.net.compile()
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
+        return self.net(x, t, y)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x0, y = self._checked_batch(batch, "train")
+        t = self.diffusion.sample_timesteps(x0.shape[0], x0.device)
+        loss = self.diffusion.loss(self.net, x0, t, torch.randn_like(x0), self._training_labels(y))
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x0, y = self._checked_batch(batch, "val")
+        index = batch_idx * x0.shape[0] + torch.arange(x0.shape[0], device=x0.device)
+        t = self.val_grid[index % len(self.val_grid)]
+        generator = torch.Generator().manual_seed(self.val_seed + batch_idx)
+        noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+        loss = self.diffusion.loss(self.net, x0, t, noise, y if self.net.num_classes is not None else None)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _training_labels(self, y: Tensor) -> Tensor | None:
+        if self.net.num_classes is None:
+            return None
+        return self.diffusion.drop_labels(y, null_class=self.net.num_classes)
+
+    def _checked_batch(self, batch: Batch, split: str) -> Batch:
+        if not self._checked[split]:
+            check_batch(batch, self.net)
+            self._checked[split] = True
+        return batch
+
+    def global_batch_size(self) -> int:
+        """Batch size x devices x nodes x accumulation: what the LR scaling rule sees."""
+        per_device = getattr(self.trainer.datamodule, "batch_size", self.optim.base_batch_size)
+        return per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        global_batch = self.global_batch_size()
+        optimizer, schedule = self.optim.build(list(self.net.parameters()), global_batch_size=global_batch)
+        self.scaled_lr = self.optim.scaled_lr(global_batch)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        for logger in self.loggers:
+            logger.log_metrics({"optim/lr_scaled": self.scaled_lr, "optim/global_batch": self.global_batch_size()})
+
+
+def check_batch(batch: Batch, net: UNet) -> None:
+    """Reject a batch the model cannot learn from, naming the config value to change."""
+    x0, y = batch
+    if x0.ndim != 4 or x0.shape[1] != net.in_channels:
+        raise ValueError(
+            f"the data gives images of shape {tuple(x0.shape[1:])} (C, H, W) but model.in_channels={net.in_channels}; "
+            f"set model.in_channels={x0.shape[1] if x0.ndim == 4 else '?'} or convert the data (data.channels)"
+        )
+    if tuple(x0.shape[2:]) != (net.image_size, net.image_size):
+        raise ValueError(
+            f"the data gives {x0.shape[2]}x{x0.shape[3]} images but model.image_size={net.image_size}; "
+            "set data.image_size and model.image_size to the same value"
+        )
+    low, high = torch.aminmax(x0.float())
+    if low < -1.001 or high > 1.001 or not torch.isfinite(low + high):
+        raise ValueError(
+            f"a batch after scaling spans [{low.item():.3g}, {high.item():.3g}], not [-1, 1]; the datamodule must "
+            "yield uint8 images in [0, 255] (scaled on the device as x / 127.5 - 1)"
+        )
+    if net.num_classes is not None and (y.min() < 0 or y.max() >= net.num_classes):
+        raise ValueError(
+            f"labels span [{y.min().item()}, {y.max().item()}] but model.num_classes={net.num_classes}; "
+            f"set model.num_classes={y.max().item() + 1} (labels must be 0..num_classes-1)"
+        )

@@ -1,0 +1,61 @@
+"""AdamW with linear warm-up and an optional batch-size scaling rule. Plain torch."""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+ScalingRule = Literal["none", "linear", "sqrt"]
+SCALING: dict[str, float] = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # exponent of global / base batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamW:
+    """Optimizer settings; `build` makes the optimizer and its per-step LR schedule."""
+
+    lr: float = 2e-4  # learning rate at the base batch size
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam's beta1, beta2
+    weight_decay: float = 0.0  # decoupled weight decay
+    eps: float = 1e-8  # Adam's epsilon
+    warmup_steps: int = 5000  # linear warm-up from 0 over this many optimizer steps; 0 = none
+    scaling: ScalingRule = "none"  # LR scaling rule from base_batch_size to the global batch
+    base_batch_size: int = 64  # the batch size `lr` was tuned at
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"optim.lr={self.lr} must be a positive finite number (2e-4 is the usual value)")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0 and optim.eps={self.eps} > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0 (0 turns warm-up off)")
+        if self.scaling not in SCALING:
+            raise ValueError(f"optim.scaling={self.scaling!r} is unknown; use one of {sorted(SCALING)}")
+        if self.base_batch_size < 1:
+            raise ValueError(f"optim.base_batch_size={self.base_batch_size} must be >= 1")
+
+    def scaled_lr(self, global_batch_size: int) -> float:
+        """lr * (global / base) ** p, p = 0 (none), 1 (linear, Goyal et al. 2017) or 1/2 (sqrt)."""
+        return self.lr * (global_batch_size / self.base_batch_size) ** SCALING[self.scaling]
+
+    def warmup_factor(self, step: int) -> float:
+        """LR multiplier after `step` optimizer steps: linear from 1/warmup to 1, then constant."""
+        return 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
+
+    def build(
+        self, params: list[nn.Parameter], *, global_batch_size: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW (fused on CUDA) at the scaled LR, and a LambdaLR to step once per optimizer step."""
+        fused = all(p.is_cuda for p in params) or None
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=self.scaled_lr(global_batch_size),
+            betas=tuple(self.betas),
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            fused=fused,
+        )
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.warmup_factor)

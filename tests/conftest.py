@@ -1,0 +1,42 @@
+"""Shared fixtures: the real MNIST test files, and a writer of tiny CIFAR-10 folders in the real format."""
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MNIST_DIR = Path(__file__).resolve().parents[2] / "shared/data/mnist"  # /work/shared/data/mnist
+
+
+@pytest.fixture(scope="session")
+def mnist_root() -> Path:
+    """The folder holding the real MNIST test set (t10k-*-ubyte.gz); skips when it is absent."""
+    names = ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+    if not all((MNIST_DIR / name).is_file() for name in names):
+        pytest.skip(f"the real MNIST test files {names} are not in {MNIST_DIR}")
+    return MNIST_DIR
+
+
+CifarWriter = Callable[..., Path]
+
+
+@pytest.fixture
+def write_cifar(tmp_path: Path) -> CifarWriter:
+    """write_cifar({"test_batch": (data (N, 3072) uint8, labels)}) -> a root holding cifar-10-batches-py/.
+
+    Batches are pickled as the CIFAR-10 python release stores them: a dict with 'data' rows of
+    1024 red, then 1024 green, then 1024 blue bytes (row-major 32x32 planes) and 'labels'.
+    """
+
+    def write(batches: dict[str, tuple[np.ndarray, list[int]]], root: Path | None = None) -> Path:
+        root = root or tmp_path / "cifar"
+        folder = root / "cifar-10-batches-py"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, (data, labels) in batches.items():
+            entry = {"batch_label": name, "data": np.asarray(data, dtype=np.uint8), "labels": list(labels)}
+            (folder / name).write_bytes(pickle.dumps(entry, protocol=2))
+        return root
+
+    return write

@@ -1,0 +1,310 @@
+"""Every Hydra config option composes and instantiates; the experiments hold the values of their recipes.
+
+Options are found on disk (conf/<group>/*.yaml), so a new option is tested without editing this file;
+a new group fails `test_every_group_has_a_check` until it gets one.
+"""
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
+
+from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.sample_grid import SampleGrid
+from ddpm.data.ram import RAMDataModule
+from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.models.unet import UNet
+from ddpm.module import DiffusionModule, check_batch
+from ddpm.optim import AdamW
+from ddpm.training import build_callbacks, build_loggers
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TRAIN_GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "sampler"))
+OPTIONS = [(group, f.stem) for group in TRAIN_GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
+EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
+SAMPLERS = sorted(f.stem for f in (CONF / "sampler").glob("*.yaml"))
+SMALL_MODEL = 5_000_000  # parameters: models below this also run a forward pass
+
+Compose = Callable[..., DictConfig]
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator[Compose]:
+    """compose(config_name, overrides) with the run directory set, as `python train.py` would have it."""
+
+    def run(name: str = "train", overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(
+                name, overrides=[*overrides, f"hydra.runtime.output_dir={tmp_path}"], return_hydra_config=True
+            )
+        HydraConfig.instance().set_config(cfg)  # so ${hydra:runtime.output_dir} resolves
+        return cfg
+
+    yield run
+    HydraConfig.instance().cfg = None
+
+
+def disk(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+def resolved(cfg: DictConfig, throw_on_missing: bool = False) -> dict:
+    """The run config without the `hydra` node, every interpolation resolved (what train.py saves)."""
+    run = cfg.copy()
+    with open_dict(run):
+        del run["hydra"]
+    return OmegaConf.to_container(run, resolve=True, throw_on_missing=throw_on_missing)  # type: ignore[return-value]
+
+
+def parameters(net: torch.nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())
+
+
+def test_option_lists_are_not_empty() -> None:
+    assert {"model", "data", "diffusion", "optim", "trainer", "callbacks", "logger"} <= set(TRAIN_GROUPS)
+    assert {"digits", "mnist", "cifar10", "imagenet64"} <= set(EXPERIMENTS) and SAMPLERS
+
+
+def test_every_group_has_a_check() -> None:
+    assert set(TRAIN_GROUPS) <= set(CHECKS), f"add a check for the groups {set(TRAIN_GROUPS) - set(CHECKS)}"
+
+
+# --- one check per group: instantiate the composed node and look at what it built --------------------
+
+
+def check_model(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    # The default experiment (digits) must not rewrite the chosen preset (e.g. unet_mnist stays conditional).
+    assert OmegaConf.to_container(cfg.model, resolve=True) == disk("model", name)
+    net = instantiate(cfg.model)
+    assert isinstance(net, UNet)
+    assert (net.in_channels, net.image_size, net.num_classes) == (
+        cfg.model.in_channels,
+        cfg.model.image_size,
+        cfg.model.num_classes,
+    )
+    if parameters(net) < SMALL_MODEL:
+        x = torch.randn(2, net.in_channels, net.image_size, net.image_size)
+        y = None if net.num_classes is None else torch.tensor([0, net.num_classes - 1])
+        with torch.no_grad():
+            out = net.eval()(x, torch.tensor([0, 999]), y)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    dm = instantiate(cfg.data)
+    assert isinstance(dm, RAMDataModule)
+    assert dm.image_size == cfg.model.image_size and dm.channels == cfg.model.in_channels
+    source_type = {"digits": DigitsSource, "mnist": MNISTSource, "cifar10": CIFAR10Source}
+    expected = source_type.get(name, ImageFolderSource if name == "image_folder" else None)
+    assert expected is not None, f"no expected source for data={name}; extend this test"
+    assert isinstance(dm.source, expected)
+    if name not in ("digits", "mnist"):
+        assert dm.source.root == str(tmp_path / "data")  # data.root reaches the reader
+        return  # cifar10 and image_folder need their files: instantiated only
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.num_classes == 10
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.dtype == torch.uint8 and images.shape[1:] == (dm.channels, dm.image_size, dm.image_size)
+    net = instantiate(cfg.model)
+    check_batch(dm.on_after_batch_transfer((images, labels), 0), net)
+
+
+def check_diffusion(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    diffusion = instantiate(cfg.diffusion)
+    assert isinstance(diffusion, GaussianDiffusion)
+    assert diffusion.schedule == name and diffusion.num_timesteps == cfg.diffusion.num_timesteps == 1000
+    betas = diffusion.betas.double()
+    assert torch.all(betas > 0) and torch.all(betas < 1) and torch.all(betas[1:] >= betas[:-1] - 1e-12)
+    if name == "linear":  # Ho et al. 2020: beta_1 = 1e-4 ... beta_T = 0.02
+        assert betas[0].item() == pytest.approx(1e-4, rel=1e-5) and betas[-1].item() == pytest.approx(0.02)
+    if name == "cosine":  # Nichol & Dhariwal 2021: alpha_bar_t = cos^2(((t/T + s)/(1 + s)) pi/2) / f(0)
+        t = torch.tensor([1.0, 500.0, 900.0], dtype=torch.float64)
+        f = lambda u: torch.cos((u / 1000 + 0.008) / 1.008 * torch.pi / 2) ** 2  # noqa: E731
+        ref = f(t) / f(torch.zeros(1, dtype=torch.float64))
+        torch.testing.assert_close(diffusion.alpha_bar[[0, 499, 899]].double(), ref, rtol=1e-4, atol=1e-6)
+
+
+def check_optim(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    optim = instantiate(cfg.optim)
+    assert isinstance(optim, AdamW)
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer, schedule = optim.build([param], global_batch_size=optim.base_batch_size)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.defaults["lr"] == pytest.approx(cfg.optim.lr)
+    first_lr = cfg.optim.lr / cfg.optim.warmup_steps if cfg.optim.warmup_steps else cfg.optim.lr  # linear warm-up
+    assert schedule.get_last_lr()[0] == pytest.approx(first_lr)
+    assert tuple(optimizer.defaults["betas"]) == tuple(cfg.optim.betas)
+
+
+def check_trainer(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    trainer = instantiate(
+        cfg.trainer, accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
+    )
+    assert isinstance(trainer, pl.Trainer)
+    assert trainer.max_steps == cfg.trainer.max_steps
+    assert trainer.precision == cfg.trainer.precision
+    assert trainer.num_devices == cfg.trainer.devices
+    if name == "ddp":
+        assert type(trainer.strategy).__name__ == "DDPStrategy"
+
+
+def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    ema, callbacks = build_callbacks(cfg)
+    assert isinstance(ema, EMA) and callbacks[0] is ema and ema.decay == cfg.ema.decay
+    by_type = {type(c): c for c in callbacks}
+    assert set(by_type) == {EMA, ModelCheckpoint, SampleGrid, LearningRateMonitor}
+    assert Path(by_type[ModelCheckpoint].dirpath) == tmp_path / "checkpoints"  # under the run directory
+    assert isinstance(by_type[SampleGrid].sampler, DDPMSampler)
+    _, fewer = build_callbacks(OmegaConf.merge(cfg, {"callbacks": {"sample_grid": None}}))
+    assert SampleGrid not in {type(c) for c in fewer}  # callbacks.sample_grid=null drops it
+
+
+def check_logger(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    loggers = build_loggers(cfg)
+    assert isinstance(loggers, list) and len(loggers) == 1
+    expected = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+    assert name in expected, f"no expected logger type for logger={name}; extend this test"
+    assert isinstance(loggers[0], expected[name])
+    assert Path(loggers[0].save_dir) == tmp_path
+
+
+CHECKS = {
+    "model": check_model,
+    "data": check_data,
+    "diffusion": check_diffusion,
+    "optim": check_optim,
+    "trainer": check_trainer,
+    "callbacks": check_callbacks,
+    "logger": check_logger,
+}
+
+
+@pytest.mark.parametrize(("group", "name"), OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
+def test_option_composes_and_instantiates(
+    group: str, name: str, compose_cfg: Compose, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    overrides = [f"{group}={name}"]
+    if group == "data" and "root" in disk("data", name):
+        root = request.getfixturevalue("mnist_root") if name == "mnist" else tmp_path / "data"
+        overrides.append(f"data.root={root}")
+    cfg = compose_cfg("train", overrides)
+    assert cfg.hydra.runtime.choices[group] == name
+    assert cfg.paths.output_dir == str(tmp_path)
+    resolved(cfg)  # every interpolation resolves
+    if group not in CHECKS:
+        pytest.fail(f"no check for the config group {group!r}; add one to CHECKS")
+    CHECKS[group](cfg, name, tmp_path)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_sample_config_composes_with_every_sampler(name: str, compose_cfg: Compose, tmp_path: Path) -> None:
+    cfg = compose_cfg("sample", [f"sampler={name}", "ckpt=/runs/x/ema.pt", "sampler.steps=50"])
+    assert cfg.output_dir == str(tmp_path) and cfg.ckpt == "/runs/x/ema.pt"
+    assert (cfg.num_samples, cfg.batch_size, cfg.guidance, cfg.seed, cfg.device) == (64, 256, 0.0, 0, "auto")
+    sampler = instantiate(cfg.sampler)
+    assert isinstance(sampler, DDPMSampler) and sampler.steps == 50
+    assert len(sampler.timesteps(1000)) == 50
+
+
+def test_sample_config_defaults(compose_cfg: Compose) -> None:
+    cfg = compose_cfg("sample")
+    assert cfg.ckpt is None and cfg.labels is None
+    assert cfg.hydra.runtime.choices["sampler"] == "ddpm"
+    assert instantiate(cfg.sampler).steps is None  # all T steps unless asked
+
+
+# --- experiments --------------------------------------------------------------------------------------
+
+
+def experiment(compose_cfg: Compose, name: str, *extra: str) -> DictConfig:
+    cfg = compose_cfg("train", [f"experiment={name}", *extra])
+    assert cfg.hydra.runtime.choices["experiment"] == name
+    return cfg
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_and_builds(name: str, compose_cfg: Compose, tmp_path: Path) -> None:
+    cfg = experiment(compose_cfg, name)
+    # A folder to read (to_container: `in` skips a ??? value): any path will do, nothing is loaded here.
+    if "root" in OmegaConf.to_container(cfg.data):
+        cfg = experiment(compose_cfg, name, f"data.root={tmp_path / 'data'}")
+    resolved(cfg, throw_on_missing=True)
+    net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
+    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+    assert isinstance(module, DiffusionModule)
+    dm = instantiate(cfg.data)
+    assert dm.image_size == net.image_size and dm.channels == net.in_channels
+    ema, _ = build_callbacks(cfg)
+    assert ema.decay == cfg.ema.decay
+    instantiate(
+        cfg.trainer, accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
+    )
+
+
+def test_digits_is_the_default_experiment(compose_cfg: Compose) -> None:
+    default = compose_cfg("train")
+    explicit = experiment(compose_cfg, "digits")
+    assert default.hydra.runtime.choices["experiment"] == "digits"
+    assert resolved(default) == resolved(explicit)
+    assert default.hydra.runtime.choices["model"] == "unet_tiny" and default.hydra.runtime.choices["data"] == "digits"
+    assert (default.model.in_channels, default.model.image_size, default.model.num_classes) == (1, 16, None)
+    assert default.data.image_size == 16 and default.data.hflip is False  # digits are not mirror-symmetric
+
+
+def test_cifar10_experiment_is_the_ddpm_paper_recipe(compose_cfg: Compose) -> None:
+    cfg = experiment(compose_cfg, "cifar10")
+    net = instantiate(cfg.model)
+    assert round(parameters(net) / 1e6, 1) == 35.7  # Ho et al. 2020: 35.7M parameters
+    assert (net.in_channels, net.image_size, net.num_classes) == (3, 32, None)
+    assert cfg.model.dropout == 0.1 and cfg.diffusion.schedule == "linear" and cfg.diffusion.num_timesteps == 1000
+    assert cfg.data.batch_size == 128 and cfg.data.hflip is True
+    assert cfg.optim.lr == pytest.approx(2e-4) and cfg.optim.warmup_steps == 5000
+    assert cfg.ema.decay == 0.9999
+    assert cfg.trainer.max_steps == 800_000
+    assert cfg.data.source._target_ == "ddpm.data.sources.CIFAR10Source"
+
+
+def test_imagenet64_experiment(compose_cfg: Compose) -> None:
+    cfg = experiment(compose_cfg, "imagenet64")
+    assert cfg.hydra.runtime.choices["model"] == "unet64"
+    assert OmegaConf.to_container(cfg.model) == disk("model", "unet64")
+    assert cfg.model.image_size == 64 and cfg.data.image_size == 64 and cfg.data.channels == 3
+    assert cfg.diffusion.schedule == "cosine"
+    assert cfg.data.batch_size == 128 and cfg.data.hflip is True
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.ema.decay == 0.9999
+    assert OmegaConf.is_missing(cfg.data, "root")  # the user must say where the images are
+    with pytest.raises(MissingMandatoryValue, match=r"data\.(source\.)?root"):
+        instantiate(cfg.data)
+
+
+def test_mnist_experiment_is_conditional_32x32_grey(compose_cfg: Compose, mnist_root: Path) -> None:
+    cfg = experiment(compose_cfg, "mnist", f"data.root={mnist_root}")
+    assert (cfg.model.num_classes, cfg.model.image_size, cfg.model.in_channels) == (10, 32, 1)
+    assert (cfg.data.image_size, cfg.data.channels) == (32, 1)
+    assert cfg.callbacks.sample_grid.guidance > 0 and cfg.diffusion.p_uncond > 0  # classifier-free guidance
+    net, dm = instantiate(cfg.model), instantiate(cfg.data)
+    dm.setup("fit")
+    assert dm.num_classes == cfg.model.num_classes
+    assert len(dm.train_set) + len(dm.val_set) == 10000  # only the real test pair is in the shared folder
+    images, labels = next(iter(dm.val_dataloader()))
+    check_batch(dm.on_after_batch_transfer((images, labels), 0), net)
+
+
+def test_mnist_data_root_default_points_at_the_shared_folder() -> None:
+    # conf/data/mnist.yaml's default root is relative to the repo (where train.py runs).
+    root = (CONF.parent / disk("data", "mnist")["root"]).resolve()
+    assert root == Path(__file__).resolve().parents[2] / "shared/data/mnist"

@@ -1,0 +1,234 @@
+"""The EMA callback against the closed-form recursion, under gradient accumulation and through checkpoints."""
+
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpm.callbacks.ema import CHECKPOINT_KEY, EMA
+
+
+class Scalar(nn.Module):
+    """One parameter w, a float buffer b and an integer buffer k, all set by hand."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros((), dtype=dtype))
+        self.register_buffer("b", torch.zeros((), dtype=dtype))
+        self.register_buffer("k", torch.zeros((), dtype=torch.int64))
+
+    def set(self, w: float, b: float, k: int) -> None:
+        with torch.no_grad():
+            self.w.fill_(w), self.b.fill_(b), self.k.fill_(k)
+
+
+def closed_form(initial: float, values: list[float], decay: float, warmup: bool) -> float:
+    """shadow_0 = initial; update n (0-based): d_n = min(decay, (1+n)/(10+n)), s <- d_n s + (1 - d_n) p."""
+    shadow = initial
+    for n, p in enumerate(values):
+        d = min(decay, (1 + n) / (10 + n)) if warmup else decay
+        shadow = d * shadow + (1 - d) * p
+    return shadow
+
+
+def set_up(net: nn.Module, **kwargs) -> EMA:
+    ema = EMA(**kwargs)
+    ema.setup(None, SimpleNamespace(net=net), "fit")
+    return ema
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+@pytest.mark.parametrize("decay", [0.9, 0.999])
+def test_update_matches_closed_form(decay, warmup):
+    """After each update the shadow of w and of the float buffer b equals the float64 recursion."""
+    net = Scalar()
+    net.set(2.0, -1.0, 0)
+    ema = set_up(net, decay=decay, warmup=warmup)
+    values = [float(v) for v in torch.linspace(-3, 5, 40, dtype=torch.float64).tolist()]
+    for n, p in enumerate(values):
+        net.set(p, 10 * p, n + 1)
+        ema.update(net)
+        assert ema.num_updates == n + 1
+        w_expected = closed_form(2.0, values[: n + 1], decay, warmup)
+        b_expected = closed_form(-1.0, [10 * v for v in values[: n + 1]], decay, warmup)
+        assert ema.shadow["w"].item() == pytest.approx(w_expected, rel=1e-5, abs=1e-5)
+        assert ema.shadow["b"].item() == pytest.approx(b_expected, rel=1e-5, abs=1e-5)
+        assert ema.shadow["k"].item() == n + 1  # integer buffers are copied, not averaged
+
+
+def test_first_warmup_update_uses_decay_0_1():
+    """n=0 gives d = min(decay, 1/10): the first update moves 90% of the way to the weights."""
+    net = Scalar()
+    ema = set_up(net, decay=0.9999)
+    net.set(1.0, 0.0, 0)
+    ema.update(net)
+    assert ema.shadow["w"].item() == pytest.approx(0.9, rel=1e-6)
+
+
+def test_shadow_float32_for_low_precision_weights():
+    """bfloat16 weights get a float32 shadow averaged in float32, not rounded to bfloat16."""
+    net = Scalar(dtype=torch.bfloat16)
+    ema = set_up(net, decay=0.9, warmup=False)
+    assert all(v.dtype == torch.float32 for k, v in ema.shadow.items() if k != "k")
+    assert ema.shadow["k"].dtype == torch.int64  # integer buffers keep their dtype (copied, not averaged)
+    for _ in range(3):
+        net.set(1.0, 1.0, 0)  # 1.0 is exact in bfloat16
+        ema.update(net)
+    expected = 1 - 0.9**3  # 0.271: bfloat16 would round it to 0.2715
+    assert ema.shadow["w"].item() == pytest.approx(expected, rel=1e-6)
+    assert ema.shadow["b"].item() == pytest.approx(expected, rel=1e-6)
+    assert ema.shadow["w"].dtype == torch.float32
+
+
+def test_averaged_swaps_and_restores():
+    """averaged() puts the shadow into the net, restores the raw weights after, and leaves the shadow alone."""
+    net = Scalar()
+    net.set(0.0, 0.0, 0)
+    ema = set_up(net, decay=0.5, warmup=False)
+    net.set(4.0, 8.0, 3)
+    ema.update(net)  # shadow w = 2, b = 4, k = 3
+    net.set(7.0, 9.0, 5)
+    shadow_before = {k: v.clone() for k, v in ema.shadow.items()}
+    w_param = net.w
+    with ema.averaged(net):
+        assert (net.w.item(), net.b.item(), net.k.item()) == (2.0, 4.0, 3)
+        assert net.w is w_param  # copied in place, the Parameter object is kept
+    assert (net.w.item(), net.b.item(), net.k.item()) == (7.0, 9.0, 5)
+    assert all(torch.equal(ema.shadow[k], v) for k, v in shadow_before.items())
+
+
+def test_averaged_restores_after_exception():
+    """The raw weights come back even when the block raises."""
+    net = Scalar()
+    ema = set_up(net)
+    net.set(3.0, 0.0, 0)
+    with pytest.raises(RuntimeError), ema.averaged(net):
+        raise RuntimeError("boom")
+    assert net.w.item() == 3.0
+
+
+def test_checkpoint_hooks_round_trip():
+    """on_save_checkpoint writes an independent copy under ema_state_dict; on_load_checkpoint restores it exactly."""
+    net = Scalar()
+    ema = set_up(net, decay=0.9)
+    for p in (1.0, 2.0, 3.0):
+        net.set(p, -p, 1)
+        ema.update(net)
+    saved = {k: v.clone() for k, v in ema.shadow.items()}
+    checkpoint = {}
+    ema.on_save_checkpoint(None, None, checkpoint)
+    assert set(checkpoint[CHECKPOINT_KEY]) == {"w", "b", "k"}
+    net.set(100.0, 100.0, 9)
+    ema.update(net)  # the saved copy must not move with the live shadow
+    assert all(torch.equal(checkpoint[CHECKPOINT_KEY][k], v) for k, v in saved.items())
+
+    fresh = set_up(Scalar(), decay=0.9)
+    fresh.load_state_dict(ema.state_dict())
+    fresh.on_load_checkpoint(None, None, checkpoint)
+    assert all(torch.equal(fresh.shadow[k], v) for k, v in saved.items())
+    assert fresh.num_updates == ema.num_updates
+
+
+def test_checkpoint_mismatch_raises():
+    """EMA weights for another model are refused with a ValueError."""
+    ema = set_up(Scalar())
+    with pytest.raises(ValueError, match="do not match"):
+        ema.on_load_checkpoint(None, None, {CHECKPOINT_KEY: {"w": torch.zeros(())}})
+
+
+class Tiny(pl.LightningModule):
+    """Linear regression; `net` is what the EMA averages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+
+
+def trainer(tmp_path, max_steps: int, ema: EMA, accumulate: int = 4) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[ema],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+
+
+class Recorder(pl.Callback):
+    """Records the weight after each optimizer step (what the EMA should average)."""
+
+    def __init__(self) -> None:
+        self.steps, self.weights = [0], []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step != self.steps[-1]:
+            self.steps.append(trainer.global_step)
+            self.weights.append(pl_module.net.weight.detach().clone().double())
+
+
+def test_updates_count_optimizer_steps_under_accumulation(tmp_path):
+    """accumulate_grad_batches=4, max_steps=5: 5 EMA updates (20 micro-batches), shadow = closed form."""
+    pl.seed_everything(0, verbose=False)
+    ema, recorder = EMA(decay=0.9), Recorder()
+    module = Tiny()
+    initial = module.net.weight.detach().clone().double()
+    t = trainer(tmp_path, max_steps=5, ema=ema)
+    t.callbacks.insert(0, recorder)
+    t.fit(module, loader())
+    assert t.global_step == 5 and t.fit_loop.epoch_loop.batch_progress.total.completed == 20
+    assert ema.num_updates == 5 and recorder.steps == [0, 1, 2, 3, 4, 5]
+    expected = initial
+    for n, weight in enumerate(recorder.weights):
+        d = min(0.9, (1 + n) / (10 + n))
+        expected = d * expected + (1 - d) * weight
+    torch.testing.assert_close(ema.shadow["weight"].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_update_every_n_steps_under_accumulation(tmp_path):
+    """update_every_n_steps=2 with 6 optimizer steps (24 micro-batches) gives 3 updates."""
+    pl.seed_everything(0, verbose=False)
+    ema = EMA(decay=0.9, update_every_n_steps=2)
+    trainer(tmp_path, max_steps=6, ema=ema).fit(Tiny(), loader())
+    assert ema.num_updates == 3
+
+
+def test_checkpoint_file_round_trip(tmp_path):
+    """A checkpoint written by the Trainer holds ema_state_dict; resuming from it restores the shadow exactly."""
+    pl.seed_everything(0, verbose=False)
+    ema = EMA(decay=0.9)
+    first = trainer(tmp_path, max_steps=3, ema=ema)
+    first.fit(Tiny(), loader())
+    path = tmp_path / "ema.ckpt"
+    first.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in ema.shadow.items()}
+    on_disk = torch.load(path, weights_only=False)[CHECKPOINT_KEY]
+    assert all(torch.equal(on_disk[k], v) for k, v in saved.items())
+
+    pl.seed_everything(1, verbose=False)
+    resumed = EMA(decay=0.9)
+    trainer(tmp_path, max_steps=3, ema=resumed).fit(Tiny(), loader(), ckpt_path=path)  # nothing left to train
+    assert resumed.num_updates == 3
+    assert saved.keys() == resumed.shadow.keys()
+    assert all(torch.equal(resumed.shadow[k], v) for k, v in saved.items())
