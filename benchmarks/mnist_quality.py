@@ -4,6 +4,10 @@
     python sample.py ckpt=outputs/.../ema.pt num_samples=500 guidance=3 sampler.steps=100
     python benchmarks/mnist_quality.py --samples outputs/samples/.../samples.npz
 
+    # keep the trained classifier as a TorchScript feature extractor (penultimate features + logits)
+    # for an offline "classifier FID": sample.py metrics=[fid] metrics.features=mnist_classifier.pt
+    python benchmarks/mnist_quality.py --save-classifier mnist_classifier.pt [--samples ...]
+
 The classifier (a small CNN) trains on the same MNIST files at the same 32x32 size, with a seeded
 held-out split whose accuracy is reported beside the samples' (so a weak classifier cannot pass
 weak samples). Prints a table and writes JSON under benchmarks/results/.
@@ -22,18 +26,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ddpm.data.sources import MNISTSource
+from ddpm.metrics.classifier import SmallClassifier, save_torchscript
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def classifier() -> nn.Module:
-    """Two conv blocks and a linear head on (B, 1, 32, 32) images in [-1, 1] -> (B, 10) logits."""
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
-        nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 16, 10),
-    )  # fmt: skip
+def classifier() -> SmallClassifier:
+    """Three conv blocks and a linear head on (B, 1, 32, 32) images in [-1, 1] -> (B, 10) logits."""
+    return SmallClassifier(in_channels=1, num_classes=10)
 
 
 def to_unit(images: Tensor) -> Tensor:
@@ -88,17 +88,25 @@ def git_commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=Path, required=True, help="samples.npz written by sample.py")
+    parser.add_argument("--samples", type=Path, help="samples.npz written by sample.py")
+    parser.add_argument("--save-classifier", type=Path, help="write the trained classifier here as TorchScript")
     parser.add_argument("--data-root", default=str(REPO.parent / "shared/data/mnist"), help="MNIST IDX folder")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this sample accuracy")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/mnist_quality.json")
     args = parser.parse_args()
+    if args.samples is None and args.save_classifier is None:
+        parser.error("nothing to do: pass --samples samples.npz and/or --save-classifier PATH")
 
     start = time.perf_counter()
     data = MNISTSource(root=args.data_root).load(image_size=32, channels=1)
     model, held_out = train_classifier(data.images, data.labels, epochs=args.epochs, seed=args.seed)
+    if args.save_classifier is not None:
+        path = save_torchscript(model, args.save_classifier, image_size=32)
+        print(f"classifier (held-out accuracy {held_out:.3f}) -> {path}")
+    if args.samples is None:
+        return
     images, labels = load_samples(args.samples)
     sample_accuracy, predicted = accuracy(model, images, labels)
     per_class = {int(c): (predicted[labels == c] == c).float().mean().item() for c in labels.unique()}

@@ -1,5 +1,10 @@
-"""sample(cfg): load a run's EMA weights, draw images, write grid.png and samples.npz."""
+"""sample(cfg): load a run's EMA weights, draw images, write grid.png and samples.npz (and metrics.json).
 
+Under torchrun every rank draws a disjoint, batch-aligned share of the images (same images as one
+process); rank 0 gathers them, writes the files and measures the metrics (`metrics=[fid,kid,is]`).
+"""
+
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +14,17 @@ from omegaconf import DictConfig, ListConfig
 from torch import Tensor
 from torchvision.utils import make_grid, save_image
 
-from ddpm.checkpoint import load_ema_model
-from ddpm.diffusion.generate import Generated, class_cycle, generate
+from ddpm.checkpoint import instantiate_local, load_ema_model
+from ddpm.diffusion.generate import Generated, class_cycle
+from ddpm.metrics.evaluate import generate_sharded
+from ddpm.metrics.features import build_extractor
+from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
+from ddpm.metrics.sharding import init_from_env, world
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == "auto" and world()[1] > 1 and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # torchrun: this rank's GPU
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -46,18 +57,59 @@ def write_outputs(out: Generated, out_dir: Path, nrow: int) -> None:
     np.savez(out_dir / "samples.npz", images=out.images.permute(0, 2, 3, 1).numpy(), labels=labels)
 
 
+def requested_metrics(metrics: DictConfig | None) -> list[str]:
+    """The metric names switched on by `metrics=[fid,kid,is]` (conf/metrics/*.yaml), in a fixed order."""
+    return [name for name in METRICS if metrics is not None and metrics.get(name)]
+
+
+def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.device) -> dict[str, float]:
+    """FID/KID/IS of the generated images against the run's training data (statistics cached)."""
+    names, options = requested_metrics(cfg.metrics), cfg.metrics
+    extractor = build_extractor(str(options.features), device)
+    if "source" not in run_config["data"]:
+        raise ValueError(
+            "metrics: the run's data config has no `source` reader (data=webdataset?), so there is no training "
+            "set to compute reference statistics from; evaluate a run trained on digits, mnist, cifar10 or image_folder"
+        )
+    node = dict(run_config["data"]["source"])
+    if options.get("data_root"):
+        node["root"] = str(options.data_root)
+    image_size, channels = out.images.shape[-1], out.images.shape[1]
+    reference = reference_stats(
+        instantiate_local(node),
+        image_size=image_size,
+        channels=channels,
+        extractor=extractor,
+        cache_dir=str(options.cache_dir),
+        batch_size=options.batch_size,
+    )
+    features, logits = extractor(out.images, batch_size=options.batch_size)
+    return compute_metrics(
+        names, features=features, logits=logits, reference=reference, kind=extractor.kind, labels=out.labels
+    )
+
+
 def sample(cfg: DictConfig) -> Generated:
     """Run the sampling described by conf/sample.yaml; returns the images and their labels."""
     if not cfg.get("ckpt"):
         raise ValueError("no checkpoint given; pass ckpt=<run dir>/checkpoints/last.ckpt or ckpt=<run dir>/ema.pt")
     if cfg.num_samples <= 0:
         raise ValueError(f"num_samples={cfg.num_samples} must be > 0")
+    created = init_from_env()
+    try:
+        return _sample(cfg)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def _sample(cfg: DictConfig) -> Generated:
     device = resolve_device(cfg.device)
     loaded = load_ema_model(cfg.ckpt, device)
     net, diffusion = loaded.net, loaded.diffusion
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels
     labels = requested_labels(labels_cfg, cfg.num_samples, net.num_classes)
-    out = generate(
+    out = generate_sharded(
         net=net,
         betas=diffusion.betas64(),
         prediction=diffusion.prediction,
@@ -71,10 +123,16 @@ def sample(cfg: DictConfig) -> Generated:
         batch_size=cfg.batch_size,
         device=device,
     )
+    if world()[0] != 0:
+        return out
     out_dir = Path(cfg.output_dir)
     write_outputs(out, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
     print(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
         f"{out.nfe} network evaluations per batch) -> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )
+    if requested_metrics(cfg.get("metrics")):
+        values = measure(out, cfg, loaded.config, device)
+        (out_dir / "metrics.json").write_text(json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2))
+        print("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
     return out

@@ -1,0 +1,108 @@
+"""Logs `val/fid@K` (or `val/cfid@K` with a classifier) every N optimizer steps, for sweeps to optimise.
+
+Every rank samples a disjoint share of the K images with a fast sampler from the EMA weights and
+extracts their features; the features are gathered on every rank, so all ranks compute and log the
+same value and none waits idle in a collective. The training set's statistics are computed once
+(rank 0, cached on disk) when fitting starts.
+"""
+
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from ddpm.callbacks.sample_grid import find_ema
+from ddpm.diffusion.generate import Sampler, class_cycle
+from ddpm.metrics.evaluate import generate_shard, sharded_features
+from ddpm.metrics.features import FeatureExtractor, build_extractor
+from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
+
+
+class FID(Callback):
+    """Every `every_n_steps` optimizer steps: FID (and optionally KID/IS) of `num_samples` EMA samples."""
+
+    def __init__(
+        self,
+        *,
+        sampler: Sampler,  # a fast sampler, e.g. DDIM 50 steps or DDPM respaced to 100
+        every_n_steps: int = 5000,  # optimizer steps between evaluations
+        num_samples: int = 1000,  # K generated images per evaluation (all ranks together)
+        metrics: tuple[str, ...] = ("fid",),  # any of fid, kid, is
+        features: str = "inception",  # inception, or a TorchScript/state-dict classifier file
+        guidance: float = 0.0,  # classifier-free guidance weight for conditional models
+        seed: int = 0,  # same noise every evaluation, so values are comparable across steps
+        batch_size: int = 250,  # images per sampling (and feature) batch on each rank
+        cache_dir: str = DEFAULT_CACHE_DIR,  # where the training-set statistics are cached
+    ) -> None:
+        if every_n_steps < 1 or num_samples < 2:
+            raise ValueError(
+                f"callbacks.fid: every_n_steps={every_n_steps} must be >= 1 and num_samples={num_samples} >= 2"
+            )
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise ValueError(f"callbacks.fid.metrics={list(metrics)}: unknown {unknown}; choose from {list(METRICS)}")
+        self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
+        self.metrics, self.features, self.guidance, self.seed = tuple(metrics), features, guidance, seed
+        self.batch_size, self.cache_dir = batch_size, cache_dir
+        self.extractor: FeatureExtractor | None = None
+        self.reference: FeatureStats | None = None
+        self.last_step = -1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        if not all(hasattr(datamodule, a) for a in ("source", "image_size", "channels")):
+            raise ValueError(
+                "callbacks.fid needs a datamodule with `source`, `image_size` and `channels` (the RAM datamodule) "
+                "for the training set's statistics"
+            )
+        self.extractor = build_extractor(self.features, pl_module.device)
+        stats = {"source": datamodule.source, "image_size": datamodule.image_size, "channels": datamodule.channels}
+        if trainer.is_global_zero:  # compute (or load) once, then the other ranks read the cache
+            self.reference = reference_stats(**stats, extractor=self.extractor, cache_dir=self.cache_dir)
+        trainer.strategy.barrier("fid-reference")
+        if not trainer.is_global_zero:
+            self.reference = reference_stats(**stats, extractor=self.extractor, cache_dir=self.cache_dir)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step != self.last_step and step > 0 and step % self.every_n_steps == 0:
+            self.last_step = step
+            for name, value in self.evaluate(trainer, pl_module).items():
+                pl_module.log(f"val/{name}", value, on_step=True, on_epoch=False, batch_size=1)
+
+    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Sample this rank's share from the EMA weights, gather the features, compute the metrics."""
+        assert self.extractor is not None and self.reference is not None, "on_fit_start has not run"
+        net, diffusion = pl_module.net, pl_module.diffusion
+        labels = class_cycle(self.num_samples, net.num_classes) if net.num_classes is not None else None
+        ema, was_training = find_ema(trainer), net.training
+        net.eval()
+        try:
+            with ema.averaged(net) if ema is not None else nullcontext():
+                mine = generate_shard(
+                    net=net,
+                    betas=diffusion.betas64(),
+                    prediction=diffusion.prediction,
+                    sampler=self.sampler,
+                    image_shape=(net.in_channels, net.image_size, net.image_size),
+                    num_samples=self.num_samples,
+                    labels=labels,
+                    null_class=net.num_classes,
+                    guidance=self.guidance if labels is not None else 0.0,
+                    seed=self.seed,
+                    batch_size=self.batch_size,
+                    device=pl_module.device,
+                )
+        finally:
+            net.train(was_training)
+        features, logits = sharded_features(self.extractor, mine.images, self.batch_size)
+        return compute_metrics(
+            self.metrics,
+            features=features,
+            logits=logits,
+            reference=self.reference,
+            kind=self.extractor.kind,
+            labels=labels,
+            seed=self.seed,
+        )

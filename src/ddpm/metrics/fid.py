@@ -1,0 +1,195 @@
+"""FID, KID and IS of generated images against cached reference statistics of the training set.
+
+The statistics are computed by torchmetrics (FrechetInceptionDistance, KernelInceptionDistance,
+InceptionScore), fed with features we extract once (`ddpm.metrics.features`), so the same features
+serve every metric and every DDP rank can extract its own shard. The reference side (the whole
+training split of the run's data source, at the model's resolution) is computed once and cached
+in a file keyed by dataset, split, resolution, channels and feature extractor.
+
+Metric names carry the number of generated samples: `fid@10k`, `kid@500`, `is@50k` (and `cfid@N`,
+`ckid@N` when the features come from a classifier rather than Inception, so the two never mix).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ddpm.checkpoint import atomic_save
+from ddpm.data.sources import Source
+from ddpm.metrics.features import FeatureExtractor
+
+Metric = Literal["fid", "kid", "is"]
+METRICS: tuple[str, ...] = ("fid", "kid", "is")
+KID_REFERENCE_SIZE = 10_000  # reference features kept for KID (a seeded random subset of the split)
+CACHE_FORMAT = 1
+DEFAULT_CACHE_DIR = "~/.cache/lightning-ddpm/reference"
+
+
+@dataclass(frozen=True)
+class FeatureStats:
+    """Sufficient statistics of a feature set, in torchmetrics' FID state layout (float64)."""
+
+    num: int
+    features_sum: Tensor  # (D,)
+    cov_sum: Tensor  # (D, D): sum of f f^T
+    kid_features: Tensor  # (M, D) float64, a seeded subset of at most KID_REFERENCE_SIZE rows
+
+    @classmethod
+    def of(cls, features: Tensor, *, kid_size: int = KID_REFERENCE_SIZE, seed: int = 0) -> "FeatureStats":
+        f = features.double()
+        keep = torch.randperm(len(f), generator=torch.Generator().manual_seed(seed))[:kid_size].sort().values
+        return cls(num=len(f), features_sum=f.sum(0), cov_sum=f.T @ f, kid_features=f[keep].clone())
+
+
+def count_tag(n: int) -> str:
+    """10000 -> '10k', 50000 -> '50k', 500 -> '500', 1500 -> '1500'."""
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def quiet(metric_class: type, **kwargs: Any) -> Any:
+    """Build a torchmetrics metric without its warning that it keeps every feature (we pass features)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*will save all extracted features.*")
+        return metric_class(sync_on_compute=False, **kwargs)
+
+
+class PassThrough(nn.Module):
+    """Hands precomputed features to a torchmetrics metric as its `feature=` network."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.num_features = num_features
+
+    def forward(self, features: Tensor) -> Tensor:
+        return features
+
+
+def frechet_distance(reference: FeatureStats, fake: Tensor) -> float:
+    """FID = |mu_r - mu_f|^2 + tr(S_r + S_f - 2 (S_r S_f)^(1/2)) (Heusel et al. 2017), by torchmetrics."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    metric = quiet(FrechetInceptionDistance, feature=PassThrough(fake.shape[1]))
+    metric.real_features_sum = reference.features_sum.double().clone()
+    metric.real_features_cov_sum = reference.cov_sum.double().clone()
+    metric.real_features_num_samples = torch.tensor(reference.num, dtype=torch.long)
+    metric.update(fake.double(), real=False)
+    return float(metric.compute())
+
+
+def kernel_distance(
+    reference: FeatureStats, fake: Tensor, *, subsets: int = 100, subset_size: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """KID (Binkowski et al. 2018): unbiased MMD^2, cubic polynomial kernel, mean and std over subsets."""
+    from torchmetrics.image.kid import KernelInceptionDistance
+
+    size = min(subset_size, len(fake), len(reference.kid_features))
+    metric = quiet(KernelInceptionDistance, feature=PassThrough(fake.shape[1]), subsets=subsets, subset_size=size)
+    metric.update(reference.kid_features.double(), real=True)
+    metric.update(fake.double(), real=False)
+    with torch.random.fork_rng(devices=[]):  # the subsets come from torch's global RNG: seed it, locally
+        torch.manual_seed(seed)
+        mean, std = metric.compute()
+    return float(mean), float(std)
+
+
+def inception_score(logits: Tensor, *, splits: int = 10, seed: int = 0) -> tuple[float, float]:
+    """IS (Salimans et al. 2016): exp E_x KL(p(y|x) || p(y)), mean and std over `splits` splits."""
+    from torchmetrics.image.inception import InceptionScore
+
+    metric = quiet(InceptionScore, feature=PassThrough(logits.shape[1]), splits=splits)
+    metric.update(logits.double())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mean, std = metric.compute()
+    return float(mean), float(std)
+
+
+def compute_metrics(
+    names: list[str] | tuple[str, ...],
+    *,
+    features: Tensor,
+    logits: Tensor | None,
+    reference: FeatureStats,
+    kind: str = "inception",
+    labels: Tensor | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The requested metrics of generated images' features (N, D) (and logits (N, K)), named `<metric>@N`."""
+    unknown = [n for n in names if n not in METRICS]
+    if unknown:
+        raise ValueError(f"metrics={list(names)}: unknown {unknown}; choose from {list(METRICS)}")
+    tag, prefix = count_tag(len(features)), "" if kind == "inception" else "c"
+    out: dict[str, float] = {}
+    if "fid" in names:
+        out[f"{prefix}fid@{tag}"] = frechet_distance(reference, features)
+    if "kid" in names:
+        out[f"{prefix}kid@{tag}"], out[f"{prefix}kid_std@{tag}"] = kernel_distance(reference, features, seed=seed)
+    if logits is not None and "is" in names:
+        out[f"{prefix}is@{tag}"], out[f"{prefix}is_std@{tag}"] = inception_score(logits, seed=seed)
+    elif "is" in names:
+        raise ValueError("metrics: is needs class logits; this feature extractor has no `logits` method")
+    if logits is not None and labels is not None and kind != "inception":
+        out[f"accuracy@{tag}"] = float((logits.argmax(1).cpu() == labels.cpu()).double().mean())
+    return out
+
+
+# --- the reference statistics cache ---------------------------------------------------------------
+
+
+def reference_key(source: Source, *, image_size: int, channels: int | None, extractor: str) -> dict[str, Any]:
+    """What the cached statistics depend on: the source (its class and fields), resolution, extractor."""
+    fields = dataclasses.asdict(source) if dataclasses.is_dataclass(source) else {}  # type: ignore[arg-type]
+    fields.pop("download", None)
+    if fields.get("root"):
+        fields["root"] = str(Path(fields["root"]).expanduser().resolve())
+    return {
+        "format": CACHE_FORMAT,
+        "source": type(source).__name__,
+        **fields,
+        "image_size": image_size,
+        "channels": channels,
+        "features": extractor,
+        "kid_reference_size": KID_REFERENCE_SIZE,
+    }
+
+
+def reference_path(cache_dir: str | os.PathLike, key: dict[str, Any]) -> Path:
+    """<cache>/<dataset>-<split>-<S>px-<extractor>-<hash of the whole key>.pt"""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    dataset = key["source"].removesuffix("Source").lower()
+    name = f"{dataset}-{key.get('split', 'all')}-{key['image_size']}px-{key['features']}-{digest}.pt"
+    return Path(cache_dir).expanduser() / name
+
+
+def reference_stats(
+    source: Source,
+    *,
+    image_size: int,
+    channels: int | None,
+    extractor: FeatureExtractor,
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+    batch_size: int = 250,
+) -> FeatureStats:
+    """Statistics of every image of `source` (the whole split, no data.limit), cached under `cache_dir`."""
+    key = reference_key(source, image_size=image_size, channels=channels, extractor=extractor.name)
+    path = reference_path(cache_dir, key)
+    if path.is_file():
+        cached = torch.load(path, map_location="cpu", weights_only=True)
+        if cached.get("key") == key:
+            fields = {f: cached[f] for f in ("num", "features_sum", "cov_sum")}
+            return FeatureStats(**fields, kid_features=cached["kid_features"].double())
+    data = source.load(image_size=image_size, channels=channels)
+    print(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
+    features, _ = extractor(data.images, batch_size=batch_size)
+    stats = FeatureStats.of(features)
+    # KID's features as float32 (what the extractors compute, so lossless): 82 MB for 10k Inception rows.
+    atomic_save({"key": key, **dataclasses.asdict(stats), "kid_features": stats.kid_features.float()}, path)
+    return stats

@@ -1,0 +1,120 @@
+"""Evaluation end to end: the FID callback in a tiny train.py run, sample.py metrics=[...], torchrun sharding.
+
+The feature extractor is a stand-in: an untrained SmallClassifier saved as TorchScript, exactly the
+file kind `benchmarks/mnist_quality.py --save-classifier` writes, so no Inception weights are needed.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from ddpm.callbacks.fid import FID
+from ddpm.metrics.classifier import SmallClassifier, save_torchscript
+from ddpm.sampling import requested_metrics
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "data.limit=256",
+    "data.batch_size=32",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+    "callbacks.checkpoint.every_n_train_steps=3",
+    "callbacks.sample_grid=null",
+    "model.num_classes=10",
+]
+
+
+def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
+    result = subprocess.run(list(command), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    return result
+
+
+def compose_config(name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def test_sample_config_selects_metrics_and_train_config_adds_the_fid_callback_only_when_asked() -> None:
+    """metrics=[fid,kid,is] switches metrics on (none by default); +callbacks/fid=... adds FID (absent by default)."""
+    assert requested_metrics(compose_config("sample", []).metrics) == []
+    cfg = compose_config("sample", ["metrics=[is,fid,kid]", "metrics.features=clf.pt"])
+    assert requested_metrics(cfg.metrics) == ["fid", "kid", "is"] and cfg.metrics.features == "clf.pt"
+    assert "fid" not in compose_config("train", []).callbacks
+    for option in ("inception", "classifier"):
+        cfg = compose_config("train", [f"+callbacks/fid={option}", "callbacks.fid.features=x.pt"])
+        callback = instantiate(cfg.callbacks.fid)
+        assert isinstance(callback, FID) and callback.sampler.steps == 50 and callback.metrics == ("fid",)
+    with pytest.raises(ValueError, match="choose from"):
+        FID(sampler=callback.sampler, metrics=("fld",))
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 3-step conditional digits run with `+callbacks/fid=classifier` evaluating at step 3."""
+    root = tmp_path_factory.mktemp("eval")
+    torch.manual_seed(0)
+    classifier = save_torchscript(SmallClassifier(in_channels=1, num_classes=10), root / "clf.pt", image_size=32)
+    run(sys.executable, "train.py", *TINY, "+callbacks/fid=classifier", f"callbacks.fid.features={classifier}",
+        "callbacks.fid.every_n_steps=3", "callbacks.fid.num_samples=8", "callbacks.fid.batch_size=4",
+        "callbacks.fid.sampler.steps=2", "callbacks.fid.metrics=[fid,kid]", f"callbacks.fid.cache_dir={root / 'cache'}",
+        f"hydra.run.dir={root / 'run'}")  # fmt: skip
+    return {"run": root / "run", "classifier": classifier, "cache": root / "cache"}
+
+
+@pytest.mark.slow
+def test_fid_callback_logs_the_classifier_fid_of_k_samples(evaluated_run: dict[str, Path]) -> None:
+    """val/cfid@8 and val/ckid@8 are logged (finite, >= 0); the training set's statistics were cached."""
+    header, *rows = (evaluated_run["run"] / "csv" / "metrics.csv").read_text().splitlines()
+    columns = header.split(",")
+    assert {"val/cfid@8", "val/ckid@8", "val/accuracy@8"} <= set(columns), columns
+    values = [
+        float(r.split(",")[columns.index("val/cfid@8")]) for r in rows if r.split(",")[columns.index("val/cfid@8")]
+    ]
+    assert len(values) == 1 and math.isfinite(values[0]) and values[0] >= 0
+    cached = list(evaluated_run["cache"].iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith("digits-all-16px-clf-")
+
+
+@pytest.mark.slow
+def test_sample_py_metrics_on_one_process_and_under_torchrun_agree(
+    evaluated_run: dict[str, Path], tmp_path: Path
+) -> None:
+    """sample.py metrics=[fid,kid,is] writes metrics.json named by sample count, reusing the cached statistics;
+    two gloo ranks under torchrun draw disjoint shares whose gathered images equal the one-process run's."""
+    common = [f"ckpt={evaluated_run['run'] / 'ema.pt'}", "num_samples=10", "batch_size=4", "sampler.steps=2", "seed=3"]
+    metrics = ["metrics=[fid,kid,is]", f"metrics.features={evaluated_run['classifier']}",
+               f"metrics.cache_dir={evaluated_run['cache']}"]  # fmt: skip
+    one = run(sys.executable, "sample.py", *common, *metrics, f"hydra.run.dir={tmp_path / 'one'}")
+    assert "reference statistics" not in one.stdout  # computed by the training run, read from the cache
+    result = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert {"cfid@10", "ckid@10", "cis@10", "accuracy@10"} <= set(result), result
+    assert all(math.isfinite(result[k]) for k in ("cfid@10", "ckid@10", "cis@10"))
+    assert 0 <= result["accuracy@10"] <= 1
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+        "sample.py", *common, "device=cpu", f"hydra.run.dir={tmp_path / 'two'}")  # fmt: skip
+    single, sharded = np.load(tmp_path / "one" / "samples.npz"), np.load(tmp_path / "two" / "samples.npz")
+    np.testing.assert_array_equal(single["labels"], sharded["labels"])
+    np.testing.assert_array_equal(single["images"], sharded["images"])
