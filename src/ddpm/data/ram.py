@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from ddpm.data.sampler import ResumableLoader, ResumableSampler, generator
 from ddpm.data.sources import ImageSet, Source
 
 Batch = tuple[Tensor, Tensor]  # images (B, C, H, W), labels (B,) int64
@@ -74,7 +75,20 @@ def validate_image_set(data: ImageSet, *, image_size: int) -> None:
         raise ValueError(f"the data source returned {len(images)} images but {len(labels)} labels")
 
 
-class RAMDataModule(pl.LightningDataModule):
+class ScaleOnDevice(pl.LightningDataModule):
+    """Base of the datamodules: uint8 batches cross to the device, then become [-1, 1] floats (+ flips)."""
+
+    hflip: bool = False  # random horizontal flips of training batches
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Batch:
+        images, labels = batch
+        images = scale_to_unit(images)
+        if self.hflip and self.trainer is not None and self.trainer.training:
+            images = random_hflip(images)
+        return images, labels
+
+
+class RAMDataModule(ScaleOnDevice):
     """Preloads `source` into RAM (uint8) once per process; seeded train/val split; device-side scaling."""
 
     def __init__(
@@ -156,10 +170,14 @@ class RAMDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset[Batch] | None, *, train: bool) -> DataLoader[Batch]:
         if dataset is None:
             raise RuntimeError("RAMDataModule.setup() has not run")
-        return DataLoader(
+        # Training order: a function of (seed, epoch) that resumes mid-epoch, drawing no global RNG (data/sampler.py).
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank) if train else None
+        return (ResumableLoader if train else DataLoader)(
             dataset,
+            sampler=sampler,
+            generator=generator(),
             batch_size=self.batch_size,
-            shuffle=train,
             drop_last=train,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -172,10 +190,3 @@ class RAMDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader[Batch]:
         return self._loader(self.val_set, train=False)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Batch:
-        images, labels = batch
-        images = scale_to_unit(images)
-        if self.hflip and self.trainer is not None and self.trainer.training:
-            images = random_hflip(images)
-        return images, labels

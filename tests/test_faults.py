@@ -1,0 +1,322 @@
+"""Faults and bad inputs: torn checkpoint writes under kill -9, NaN steps, preemption signals, OOM, config errors.
+
+The table in docs/reliability.md points at these tests (and at the older ones in tests/ that cover
+the rest of the bad inputs).
+"""
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpm.callbacks.ema import CHECKPOINT_KEY
+from ddpm.callbacks.nan_guard import NaNGuard, NonFiniteLossError
+from ddpm.callbacks.preemption import EXIT_PREEMPTED, Preempted, Preemption
+from ddpm.checkpoint import CheckpointError, load_checkpoint
+from ddpm.checkpoint_io import AtomicCheckpointIO, NonFiniteCheckpointError
+from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
+from ddpm.training import slurm_plugins, train
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+# --- atomic checkpoints: kill -9 while writing ------------------------------------------------------------
+
+
+def write_forever(folder: Path, started: int) -> None:
+    """Child process: say so on the pipe `started`, then write checkpoints as fast as it can (each holds its own
+    stamp in every tensor)."""
+    io = AtomicCheckpointIO()
+    os.write(started, b"1")
+    for i in range(10**9):
+        stamp = float(i)
+        weights = {"w": torch.full((256, 1024), stamp)}
+        checkpoint = {"global_step": i, "state_dict": weights, CHECKPOINT_KEY: {"w": torch.full((4,), stamp)}}
+        io.save_checkpoint(checkpoint, folder / "last.ckpt")
+        io.save_checkpoint(checkpoint, folder / f"step_{i % 3}.ckpt")
+
+
+def test_kill_9_while_saving_never_leaves_a_torn_checkpoint(tmp_path: Path) -> None:
+    """60 writer processes SIGKILLed at random instants; every *.ckpt left behind loads and is self-consistent."""
+    rng, kills = random.Random(0), 0
+    seed = {"global_step": -1, "state_dict": {"w": torch.full((256, 1024), -1.0)}, CHECKPOINT_KEY: {}}
+    AtomicCheckpointIO().save_checkpoint(seed, tmp_path / "last.ckpt")
+    for _ in range(60):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child never returns to pytest
+            try:
+                write_forever(tmp_path, write_end)
+            finally:
+                os._exit(1)
+        os.close(write_end)
+        assert os.read(read_end, 1) == b"1"  # the child is running: kill it at a random instant of its writes
+        os.close(read_end)
+        time.sleep(rng.uniform(0.0, 0.08))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        kills += os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        for path in tmp_path.glob("*.ckpt"):
+            checkpoint = load_checkpoint(path)  # raises CheckpointError on a torn file
+            stamp = float(checkpoint["global_step"])
+            assert torch.equal(checkpoint["state_dict"]["w"], torch.full((256, 1024), stamp)), path
+    assert kills == 60
+    assert (tmp_path / "last.ckpt").is_file()  # replaced 60 times, never missing
+    assert list(tmp_path.glob(".*.tmp-*")), "no kill landed during a write: the test proved nothing"
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def full(obj, f) -> None:
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*last.ckpt.*No space left.*previous checkpoints"):
+        io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_checkpoint_with_non_finite_weights_is_never_written(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    nan, inf = torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])
+    for bad in ({"state_dict": {"w": nan}}, {CHECKPOINT_KEY: {"w": inf}}):
+        with pytest.raises(NonFiniteCheckpointError, match=r"NaN/inf at step 7.*last good one"):
+            AtomicCheckpointIO().save_checkpoint({"global_step": 7, **bad}, path)
+    assert not path.exists()
+
+
+def test_checkpoint_io_loads_safely(tmp_path: Path) -> None:
+    """Lightning's resume path goes through this CheckpointIO: pickled code is refused, not run."""
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    torch.save({CHECKPOINT_KEY: {}, "config": Payload()}, tmp_path / "evil.ckpt")
+    with pytest.raises(CheckpointError, match="safe loading refuses"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "evil.ckpt")
+    assert not (tmp_path / "pwned").exists()
+
+
+# --- a toy training run for the callbacks -------------------------------------------------------------------
+
+
+class Toy(pl.LightningModule):
+    """Linear regression on 16 batches of 2; rows listed in `nan_batches` have NaN inputs."""
+
+    def __init__(self, nan_batches: tuple[int, ...] = (), hook=None) -> None:
+        super().__init__()
+        self.net, self.nan_batches, self.hook = nn.Linear(2, 1), nan_batches, hook
+
+    def training_step(self, batch, batch_idx):
+        if self.hook is not None:
+            self.hook(self, batch_idx)
+        x, y = batch
+        x = x * float("nan") if batch_idx in self.nan_batches else x
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+def fit(tmp_path: Path, module: Toy, callbacks: list, max_steps: int = 8, **kwargs) -> pl.Trainer:
+    x = torch.randn(32, 2, generator=torch.Generator().manual_seed(0))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[*callbacks, checkpoint],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()], **kwargs)  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2))
+    return trainer
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path: Path) -> None:
+    """NaN loss at batches 3 and 4: those two updates are skipped, the weights stay finite, the count is logged."""
+    weights: list[torch.Tensor] = []
+    module = Toy(nan_batches=(3, 4), hook=lambda m, i: weights.append(m.net.weight.detach().clone()))
+    guard = NaNGuard(max_consecutive=3)
+    trainer = fit(tmp_path, module, [guard])
+    assert guard.skipped == 2 and guard.consecutive == 0
+    assert trainer.callback_metrics["train/skipped_steps"] == 2
+    assert torch.equal(weights[3], weights[4]) and torch.equal(weights[4], weights[5])  # no update from 3 or 4
+    assert not torch.equal(weights[2], weights[3])  # the others did update
+    assert all(p.isfinite().all() for p in module.parameters())
+
+
+def test_nan_steps_in_a_row_stop_with_the_step_causes_and_last_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(NonFiniteLossError) as info:
+        fit(tmp_path, Toy(nan_batches=(4, 5, 6)), [NaNGuard(max_consecutive=3)])
+    message = str(info.value)
+    assert "3 optimizer steps in a row, up to step 7" in message
+    assert "optim.lr" in message and "fp16" in message and "last.ckpt" in message
+    for path in (tmp_path / "checkpoints").glob("*.ckpt"):  # nothing non-finite reached the disk
+        assert all(v.isfinite().all() for v in torch.load(path, weights_only=True)["state_dict"].values())
+
+
+@pytest.mark.parametrize(("signum", "accumulate"), [(signal.SIGTERM, 1), (signal.SIGUSR1, 1), (signal.SIGTERM, 2)])
+def test_signal_saves_at_the_next_step_boundary_and_exits_143(tmp_path: Path, signum: int, accumulate: int) -> None:
+    """The signal arrives during micro-batch 4 (0-based): under accumulation the save waits for the step to end."""
+
+    def send(module: Toy, batch_idx: int) -> None:
+        if batch_idx == 4:
+            os.kill(os.getpid(), signum)
+
+    with pytest.raises(Preempted) as info:
+        fit(tmp_path, Toy(hook=send), [Preemption()], max_steps=100, accumulate_grad_batches=accumulate)
+    assert info.value.code == EXIT_PREEMPTED == 143
+    checkpoint = torch.load(info.value.path, weights_only=True)
+    assert info.value.path == tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint["global_step"] == (5 if accumulate == 1 else 3)  # after batch 4; after batches 4-5
+    assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # handlers are given back
+
+
+def test_slurm_requeue_plugin_only_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = OmegaConf.create({"slurm_requeue": True})
+    assert slurm_plugins(cfg) == []
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "ddpm")
+    (plugin,) = slurm_plugins(cfg)
+    assert isinstance(plugin, SLURMEnvironment) and plugin.auto_requeue and plugin.requeue_signal == signal.SIGUSR1
+    assert slurm_plugins(OmegaConf.create({"slurm_requeue": False})) == []
+
+
+def test_out_of_memory_on_the_first_step_says_what_to_lower(tmp_path: Path) -> None:
+    def oom(module: Toy, batch_idx: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError) as info, explain_oom(batch_size=512, precision="32-true"):
+        fit(tmp_path, Toy(hook=oom), [])
+    message = str(info.value)
+    assert "Tried to allocate 20.00 GiB" in message and "data.batch_size=512" in message
+    assert "bf16-mixed" in message and "activation checkpointing" in message
+
+
+# --- config: wrong types and values fail before any work; resume refuses breaking changes ---------------------
+
+
+def composed(tmp_path: Path, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"paths.output_dir={tmp_path}"])
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("data.batch_size=abc", "data.batch_size='abc' is not int"), ("ema.decay=[1]", "ema.decay=[1] is not float"),
+     ("model.num_classes=ten", "model.num_classes='ten' is not"), ("trainer.max_steps=1.5", "trainer.max_steps=1.5")],
+)  # fmt: skip
+def test_wrong_config_type_fails_fast_naming_the_key(tmp_path: Path, override: str, named: str) -> None:
+    cfg = composed(tmp_path, override)
+    with pytest.raises(TypeError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        check_config_types(OmegaConf.to_container(cfg, resolve=True))
+    with pytest.raises(TypeError, match="config values of the wrong type"):
+        train(cfg)  # train() checks before it reads data or builds the model
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_out_of_range_config_value_fails_naming_the_key(tmp_path: Path) -> None:
+    check_config_types(OmegaConf.to_container(composed(tmp_path), resolve=True))  # the defaults pass
+    with pytest.raises(Exception, match=r"optim.lr=-1 must be a positive finite number"):
+        train(composed(tmp_path, "optim.lr=-1"))
+
+
+def fake_training_checkpoint(path: Path, config: dict) -> Path:
+    torch.save({"state_dict": {}, "optimizer_states": [], "loops": {}, "global_step": 40, CHECKPOINT_KEY: {},
+                "hyper_parameters": {"config": config}}, path)  # fmt: skip
+    return path
+
+
+def test_resume_refuses_breaking_config_changes_listing_them(tmp_path: Path) -> None:
+    config = OmegaConf.to_container(composed(tmp_path), resolve=True)
+    path = fake_training_checkpoint(tmp_path / "last.ckpt", config)
+    changed = OmegaConf.to_container(
+        composed(tmp_path, "model.base_channels=64", "model.num_classes=10", "diffusion.num_timesteps=500"),
+        resolve=True,
+    )
+    with pytest.raises(CheckpointError) as info:
+        check_resume(path, changed, tmp_path / "new")
+    message = str(info.value)
+    for line in ("model.base_channels: checkpoint 32, now 64", "model.num_classes: checkpoint None, now 10",
+                 "diffusion.num_timesteps: checkpoint 1000, now 500"):  # fmt: skip
+        assert line in message
+    assert not (tmp_path / "new" / "resume_diff.yaml").exists()
+
+
+def test_resume_allows_and_records_safe_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = OmegaConf.to_container(composed(tmp_path), resolve=True)
+    path = fake_training_checkpoint(tmp_path / "last.ckpt", config)
+    overrides = ("trainer.max_steps=7", "logger=tensorboard", "callbacks.sample_grid=null")
+    safe = OmegaConf.to_container(composed(tmp_path, *overrides), resolve=True)
+    diff = check_resume(path, safe, tmp_path / "new")
+    assert diff["trainer.max_steps"] == (config["trainer"]["max_steps"], 7)
+    record = yaml.safe_load((tmp_path / "new" / "resume_diff.yaml").read_text())
+    assert record["resumed_from"] == str(path) and record["global_step"] == 40
+    assert record["changed"]["trainer.max_steps"] == {"checkpoint": config["trainer"]["max_steps"], "now": 7}
+    assert "logger.tensorboard._target_" in record["changed"]
+    assert "trainer.max_steps" in capsys.readouterr().out
+
+
+def test_resume_from_damaged_or_wrong_files_is_a_clear_error(tmp_path: Path) -> None:
+    config = OmegaConf.to_container(composed(tmp_path), resolve=True)
+    good = fake_training_checkpoint(tmp_path / "good.ckpt", config).read_bytes()
+    (tmp_path / "torn.ckpt").write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        check_resume(tmp_path / "torn.ckpt", config, tmp_path)
+    torch.save({CHECKPOINT_KEY: {}, "config": config}, tmp_path / "ema.pt")
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        check_resume(tmp_path / "ema.pt", config, tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_resume(tmp_path / "nope.ckpt", config, tmp_path)
+
+
+def test_ckpt_path_last_finds_the_newest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    own = tmp_path / "outputs/2026-11-23/12-00-02"
+    with pytest.raises(CheckpointError, match="found no outputs"):
+        resolve_ckpt_path("last", resume_dir=None, output_dir=own)
+    for i, run in enumerate(["2026-11-22/09-00-00", "2026-11-23/08-00-00", "2026-11-23/12-00-02"]):
+        path = tmp_path / "outputs" / run / "checkpoints" / "last.ckpt"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+        os.utime(path, (1000 + i, 1000 + i))
+    newest_other = tmp_path / "outputs/2026-11-23/08-00-00/checkpoints/last.ckpt"
+    assert resolve_ckpt_path("last", resume_dir=None, output_dir=own).resolve() == newest_other  # not its own dir
+    assert resolve_ckpt_path("last", resume_dir="runs/a", output_dir=own) == Path("runs/a/checkpoints/last.ckpt")
+    assert resolve_ckpt_path(str(newest_other.parents[1]), resume_dir=None, output_dir=own) == newest_other
+    assert resolve_ckpt_path(None, resume_dir=None, output_dir=own) is None
+
+
+# --- sampling inputs ---------------------------------------------------------------------------------------
+
+
+def test_guidance_on_an_unconditional_model_is_refused() -> None:
+    from ddpm.diffusion.samplers.base import GuidedModel
+
+    with pytest.raises(ValueError, match=r"guidance=2\.0 needs a class-conditional model"):
+        GuidedModel(net=nn.Identity(), betas=torch.linspace(1e-4, 0.02, 10, dtype=torch.float64), guidance=2.0,
+                    null_class=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_samples", [0, -3])
+def test_num_samples_not_positive_is_refused_before_loading(num_samples: int) -> None:
+    from ddpm.sampling import sample
+
+    with pytest.raises(ValueError, match=f"num_samples={num_samples} must be > 0"):
+        sample(OmegaConf.create({"ckpt": "/nonexistent.ckpt", "num_samples": num_samples}))

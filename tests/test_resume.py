@@ -1,0 +1,137 @@
+"""Exact resume: a run SIGKILLed mid-training and resumed equals, bit for bit, a run that was never stopped.
+
+Every run is `python train.py` as a subprocess on the same tiny, deterministic CPU config, with
+everything that draws random numbers switched on: timesteps and noise, dropout (model.dropout),
+label dropout (a conditional model with p_uncond), random flips (data.hflip) and validation every
+3 batches. The data has 4 training batches per epoch; checkpoints are written every step.
+"""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RNG_HEAVY = [
+    "data.limit=80",  # 72 training images (0.1 held out): 4 batches of 16 per epoch
+    "data.batch_size=16",
+    "data.hflip=true",
+    "model.dropout=0.1",
+    "model.num_classes=10",
+    "diffusion.p_uncond=0.2",
+    "trainer.deterministic=true",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "optim.warmup_steps=3",
+    "callbacks.checkpoint.every_n_train_steps=1",
+    "callbacks.checkpoint.save_top_k=-1",
+    "callbacks.checkpoint.monitor=null",
+    "callbacks.sample_grid=null",
+    "callbacks.progress_bar=null",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "train.py", *RNG_HEAVY, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def train(run_dir: Path, *overrides: str) -> None:
+    result = subprocess.run(command(run_dir, *overrides), cwd=REPO, env=ENV, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+
+
+def train_and_kill(run_dir: Path, kill_after: str, *overrides: str) -> None:
+    """Start a long run, SIGKILL it as soon as `checkpoints/<kill_after>` exists (no chance to clean up)."""
+    log = (run_dir.parent / f"{run_dir.name}.log").open("w")
+    process = subprocess.Popen(command(run_dir, "trainer.max_steps=1000", *overrides), cwd=REPO, env=ENV,
+                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    target, deadline = run_dir / "checkpoints" / kill_after, time.monotonic() + 240
+    while not target.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, f"the run ended on its own: {log.name}"
+    assert target.exists()
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(straight: Path, resumed: Path) -> None:
+    """Weights, EMA weights, optimizer state, LR schedule and step counters: torch.equal, key by key."""
+    a, b = load(straight), load(resumed)
+    assert a["global_step"] == b["global_step"] and a["epoch"] == b["epoch"]
+    for key in ("state_dict", "ema_state_dict"):
+        assert a[key].keys() == b[key].keys()
+        unequal = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
+        assert not unequal, f"{key}: {unequal[:5]} differ"
+    (opt_a,), (opt_b,) = a["optimizer_states"], b["optimizer_states"]
+    assert opt_a["param_groups"] == opt_b["param_groups"]
+    for index, state in opt_a["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, opt_b["state"][index][name]), f"optimizer state {index}.{name} differs"
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+def train_losses(run_dir: Path) -> dict[int, list[str]]:
+    """step -> the train/loss values logged at it, as the CSV holds them (text: no rounding in the compare)."""
+    losses: dict[int, list[str]] = {}
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        for row in csv.DictReader(f):
+            if row.get("train/loss"):
+                losses.setdefault(int(row["step"]), []).append(row["train/loss"])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Straight 8 steps; a run killed after step 6; resumes from its step 4 (epoch end) and step 6 (mid-epoch)."""
+    root = tmp_path_factory.mktemp("resume")
+    train(root / "straight", "trainer.max_steps=8")
+    train_and_kill(root / "killed", "step_0000006.ckpt")
+    for step in (4, 6):
+        train(
+            root / f"resumed_{step}", "trainer.max_steps=8", f"ckpt_path={root}/killed/checkpoints/step_{step:07d}.ckpt"
+        )
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+def test_killed_and_resumed_equals_straight(runs: Path, step: int) -> None:
+    assert_same_state(runs / "straight/checkpoints/last.ckpt", runs / f"resumed_{step}/checkpoints/last.ckpt")
+    straight, resumed = train_losses(runs / "straight"), train_losses(runs / f"resumed_{step}")
+    after = {s: v for s, v in straight.items() if s >= step}
+    assert after and resumed == after, "the train losses logged after the resume differ"
+
+
+@pytest.mark.slow
+def test_resume_records_the_safe_config_changes(runs: Path) -> None:
+    """max_steps differed between the killed run (1000) and the resume (8): allowed, printed, saved."""
+    record = yaml.safe_load((runs / "resumed_6" / "resume_diff.yaml").read_text())
+    assert record["resumed_from"].endswith("step_0000006.ckpt") and record["global_step"] == 6
+    assert record["changed"]["trainer.max_steps"] == {"checkpoint": 1000, "now": 8}
+    assert set(record["changed"]) == {"trainer.max_steps", "callbacks.checkpoint.dirpath", "logger.csv.save_dir"}
+
+
+@pytest.mark.slow
+def test_resume_under_gradient_accumulation(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2 (2 steps per epoch); killed after step 3, mid-epoch 1; resumed to step 5."""
+    accumulate = ["trainer.accumulate_grad_batches=2"]
+    train(tmp_path / "straight", *accumulate, "trainer.max_steps=5")
+    train_and_kill(tmp_path / "killed", "step_0000003.ckpt", *accumulate)
+    checkpoint = tmp_path / "killed/checkpoints/step_0000003.ckpt"
+    train(tmp_path / "resumed", *accumulate, "trainer.max_steps=5", f"ckpt_path={checkpoint}")
+    assert_same_state(tmp_path / "straight/checkpoints/last.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
+    straight, resumed = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert resumed == {s: v for s, v in straight.items() if s >= 3}
