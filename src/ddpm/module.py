@@ -23,6 +23,8 @@ class DiffusionModule(pl.LightningModule):
         diffusion: GaussianDiffusion,  # schedule and objective
         optim: AdamW,  # optimizer and LR schedule settings
         compile: bool = False,  # torch.compile the network in place (configure_model)
+        compile_backend: str = "inductor",  # torch.compile backend (tests use "eager" / "aot_eager")
+        channels_last: bool = False,  # NHWC weights and inputs (faster convolutions on tensor cores)
         val_timesteps: int = 10,  # size of the fixed timestep grid of val/loss
         val_seed: int = 1234,  # seed of the fixed validation noise
         run_config: dict[str, Any] | None = None,  # resolved run config, stored so sample.py can rebuild
@@ -32,15 +34,18 @@ class DiffusionModule(pl.LightningModule):
             raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
         self.net, self.diffusion, self.optim = net, diffusion, optim
         self.compile_net, self.val_seed = compile, val_seed
+        self.compile_backend, self.channels_last = compile_backend, channels_last
         grid = torch.linspace(0, diffusion.num_timesteps - 1, val_timesteps).round().long()
         self.register_buffer("val_grid", grid, persistent=False)  # (K,) timesteps of val/loss
         self.save_hyperparameters({"config": run_config or {}})
         self._checked = {"train": False, "val": False}
 
     def configure_model(self) -> None:
+        if self.channels_last:
+            self.net.to(memory_format=torch.channels_last)
         # In place, so parameter names (checkpoints, EMA) carry no `_orig_mod.` prefix.
         if self.compile_net and getattr(self.net, "_compiled_call_impl", None) is None:
-            self.net.compile()
+            self.net.compile(backend=self.compile_backend)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         return self.net(x, t, y)
@@ -71,6 +76,8 @@ class DiffusionModule(pl.LightningModule):
         if not self._checked[split]:
             check_batch(batch, self.net)
             self._checked[split] = True
+        if self.channels_last:
+            return batch[0].contiguous(memory_format=torch.channels_last), batch[1]
         return batch
 
     def global_batch_size(self) -> int:

@@ -81,7 +81,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
         qkv = self.qkv(self.norm(x)).reshape(b, 3, self.num_heads, c // self.num_heads, h * w)
-        q, k, v = qkv.transpose(-1, -2).unbind(dim=1)  # each (B, heads, HW, d)
+        # Contiguous (B, heads, HW, d): fused SDPA kernels need stride 1 on d, else SDPA falls back to the
+        # math path, which materialises the (HW x HW) attention map.
+        q, k, v = qkv.transpose(-1, -2).contiguous().unbind(dim=1)  # each (B, heads, HW, d)
         out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, HW, d)
         return x + self.proj(out.transpose(-1, -2).reshape(b, c, h, w))
 

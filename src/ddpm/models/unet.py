@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ddpm.models.layers import Attention, Downsample, ResBlock, TimeEmbedding, Upsample
 
@@ -23,14 +24,20 @@ def _validate(
     groups: int,
     num_classes: int | None,
     dropout: float,
+    downsample: Sequence[bool],
 ) -> None:
     """Reject configurations that cannot build or cannot run, naming the value to change."""
     if not channel_mult or min(channel_mult) < 1:
         raise ValueError(f"model.channel_mult={list(channel_mult)} needs at least one entry, all >= 1")
-    factor = 2 ** (len(channel_mult) - 1)
+    if len(downsample) != len(channel_mult) - 1:
+        raise ValueError(
+            f"model.downsample={list(downsample)} needs one entry per level transition "
+            f"({len(channel_mult) - 1} for model.channel_mult={list(channel_mult)}), or null for all true"
+        )
+    factor = 2 ** sum(downsample)
     if image_size % factor:
         raise ValueError(
-            f"model.image_size={image_size} is not divisible by {factor} (2**{len(channel_mult) - 1} "
+            f"model.image_size={image_size} is not divisible by {factor} (2**{sum(downsample)} "
             f"downsamplings); use a multiple of {factor} or fewer entries in model.channel_mult"
         )
     widths = sorted({base_channels * m for m in channel_mult})
@@ -41,7 +48,7 @@ def _validate(
             f"(model.base_channels={base_channels} x model.channel_mult={list(channel_mult)}); "
             f"use a base_channels that is a multiple of {groups} or change model.norm_groups"
         )
-    resolutions = [image_size // 2**i for i in range(len(channel_mult))]
+    resolutions = [image_size // 2 ** sum(downsample[:i]) for i in range(len(channel_mult))]
     missing = sorted(set(attention_resolutions) - set(resolutions))
     if missing:
         raise ValueError(
@@ -75,6 +82,9 @@ class UNet(nn.Module):
         num_classes: int | None = None,  # classes for conditioning (+1 learned null class); None: unconditional
         norm_groups: int = 32,  # GroupNorm groups
         scale_shift: bool = False,  # FiLM scale-shift conditioning instead of addition
+        emb_dim: int | None = None,  # width of the time(+class) embedding; None: 4 * base_channels
+        downsample: Sequence[bool] | None = None,  # per level transition: halve the size? None: all true
+        checkpoint_activations: bool = False,  # recompute ResBlocks in backward (less memory, ~30% slower)
     ) -> None:
         super().__init__()
         _validate(
@@ -86,9 +96,12 @@ class UNet(nn.Module):
             groups=norm_groups,
             num_classes=num_classes,
             dropout=dropout,
+            downsample=[True] * (len(channel_mult) - 1) if downsample is None else list(downsample),
         )
+        halve = [True] * (len(channel_mult) - 1) if downsample is None else [bool(d) for d in downsample]
+        self.checkpoint_activations = checkpoint_activations
         self.in_channels, self.image_size, self.num_classes = in_channels, image_size, num_classes
-        emb_dim = 4 * base_channels
+        emb_dim = emb_dim or 4 * base_channels
         self.time_embed = TimeEmbedding(base_dim=base_channels, emb_dim=emb_dim)
         self.class_embed = nn.Embedding(num_classes + 1, emb_dim) if num_classes is not None else None
 
@@ -112,19 +125,20 @@ class UNet(nn.Module):
                     block.append(attn(ch))
                 self.down.append(block)
                 skips.append(ch)
-            if level != len(channel_mult) - 1:
+            if level != len(channel_mult) - 1 and halve[level]:
                 self.down.append(nn.ModuleList([Downsample(channels=ch)]))
                 skips.append(ch)
                 size //= 2
         self.mid = nn.ModuleList([res(ch, ch), attn(ch), res(ch, ch)])
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(channel_mult))):
-            for i in range(num_res_blocks + 1):
+            # One more block than the down path where that level began with a Downsample (or conv_in).
+            for i in range(num_res_blocks + int(level == 0 or halve[level - 1])):
                 block = nn.ModuleList([res(ch + skips.pop(), base_channels * mult)])
                 ch = base_channels * mult
                 if size in attention_resolutions:
                     block.append(attn(ch))
-                if level != 0 and i == num_res_blocks:
+                if level != 0 and i == num_res_blocks and halve[level - 1]:
                     block.append(Upsample(channels=ch))
                     size *= 2
                 self.up.append(block)
@@ -148,7 +162,7 @@ class UNet(nn.Module):
         nn.init.zeros_(self.conv_out.bias)
 
     def embed(self, t: Tensor, y: Tensor | None) -> Tensor:
-        """Time embedding plus class embedding (null class when y is None): (B, 4 * base_channels)."""
+        """Time embedding plus class embedding (null class when y is None): (B, emb_dim)."""
         emb = self.time_embed(t)
         if self.class_embed is not None:
             if y is None:
@@ -158,19 +172,23 @@ class UNet(nn.Module):
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         emb = self.embed(t, y)
+        remat = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:
-            h = _run(block, h, emb)
+            h = _run(block, h, emb, remat)
             skips.append(h)
-        h = _run(self.mid, h, emb)
+        h = _run(self.mid, h, emb, remat)
         for block in self.up:
-            h = _run(block, torch.cat([h, skips.pop()], dim=1), emb)
+            h = _run(block, torch.cat([h, skips.pop()], dim=1), emb, remat)
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-def _run(layers: nn.ModuleList, h: Tensor, emb: Tensor) -> Tensor:
-    """Apply a block's layers in order; ResBlocks also take the embedding."""
+def _run(layers: nn.ModuleList, h: Tensor, emb: Tensor, remat: bool = False) -> Tensor:
+    """Apply a block's layers in order; ResBlocks also take the embedding (recomputed in backward if remat)."""
     for layer in layers:
-        h = layer(h, emb) if isinstance(layer, ResBlock) else layer(h)
+        if isinstance(layer, ResBlock):
+            h = checkpoint(layer, h, emb, use_reentrant=False) if remat else layer(h, emb)
+        else:
+            h = layer(h)
     return h

@@ -1,0 +1,373 @@
+"""Training throughput, row by row, all rows measured in one run (ratios between rows are the result).
+
+    python benchmarks/throughput.py --model seed_mnist --batch-size 128 --steps 100 --device cuda
+    python benchmarks/throughput.py --model unet_tiny --steps 30 --rows same_bare_fp32,same_lightning_fp32,data_only
+
+Rows (--rows, comma-separated; default all):
+  disk_fp32               bare eager float32 loop, PNG files read with PIL every step (DataLoader), TF32 off
+  ram_fp32                ... images preloaded as one uint8 tensor (RAM), scaled on the device
+  ram_tf32                ... float32 with TF32 matmuls/convolutions (GPUs of capability >= 8.0)
+  ram_bf16, ram_fp16      ... autocast bf16 / fp16 (fp16 with a GradScaler on CUDA)
+  ram_bf16_batch2x        ... twice the batch
+  ram_bf16_compile        ... torch.compile (inductor; compile time excluded by the warm-up steps)
+  ram_bf16_channels_last  ... NHWC weights and inputs
+  ram_bf16_math_attn      ... fused attention off (SDPA math kernel: materialises the attention map)
+  lightning_bf16          the same model through our Trainer (DiffusionModule + RAMDataModule), bf16-mixed
+  same_bare_fp32          identical settings pair: RAMDataModule loader, AdamW from ddpm.optim, grad clip 1.0,
+  same_lightning_fp32       float32; bare loop vs Trainer -> the Lightning overhead (acceptance: within 5%)
+  data_only               the RAM datamodule alone (load, transfer, scale): images/s vs the model's (>= 10x)
+
+Columns: images/s, ms/step, s per 60,000-image epoch, peak memory (CUDA), data-wait fraction, MFU (FLOPs of
+one step from FlopCounterMode, 2 per multiply-add, over the device's dense peak; n/a on CPU). Writes JSON under
+benchmarks/results/ with the machine, torch version and git commit.
+"""
+
+import argparse
+import copy
+import itertools
+import json
+import platform
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from PIL import Image
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddpm.data.ram import RAMDataModule, scale_to_unit
+from ddpm.data.sources import DigitsSource, ImageSet
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.models.unet import UNet
+from ddpm.module import DiffusionModule
+from ddpm.optim import AdamW
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_FLOPS = {  # dense tensor-core peaks (SXM), FLOP/s; by a substring of torch.cuda.get_device_name()
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Row:
+    runner: str  # bare | lightning | data
+    data: str = "ram"  # disk | ram | datamodule
+    precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16
+    batch_mult: int = 1
+    compile: bool = False
+    channels_last: bool = False
+    fused_attention: bool = True
+
+
+ROWS = {
+    "disk_fp32": Row("bare", data="disk"),
+    "ram_fp32": Row("bare"),
+    "ram_tf32": Row("bare", precision="tf32"),
+    "ram_bf16": Row("bare", precision="bf16"),
+    "ram_fp16": Row("bare", precision="fp16"),
+    "ram_bf16_batch2x": Row("bare", precision="bf16", batch_mult=2),
+    "ram_bf16_compile": Row("bare", precision="bf16", compile=True),
+    "ram_bf16_channels_last": Row("bare", precision="bf16", channels_last=True),
+    "ram_bf16_math_attn": Row("bare", precision="bf16", fused_attention=False),
+    "lightning_bf16": Row("lightning", data="datamodule", precision="bf16"),
+    "same_bare_fp32": Row("bare", data="datamodule"),
+    "same_lightning_fp32": Row("lightning", data="datamodule"),
+    "data_only": Row("data", data="datamodule"),
+}
+
+
+class TensorSource:
+    """The benchmark's images as a RAMDataModule source (already at the model's size)."""
+
+    def __init__(self, data: ImageSet) -> None:
+        self.data = data
+
+    def prepare(self) -> None:
+        pass
+
+    def count(self) -> int:
+        return len(self.data.images)
+
+    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+        return self.data
+
+
+class PNGFolder(Dataset):
+    """One PNG per image on disk, decoded with PIL at every access (the naive baseline)."""
+
+    def __init__(self, data: ImageSet, folder: Path) -> None:
+        self.paths, self.labels = [], data.labels
+        for i, image in enumerate(data.images):
+            path = folder / f"{i:06d}.png"
+            array = image.permute(1, 2, 0).numpy()
+            Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array).save(path)
+            self.paths.append(path)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        with Image.open(self.paths[i]) as image:
+            array = torch.from_numpy(np.asarray(image).copy())
+        array = array[None] if array.ndim == 2 else array.permute(2, 0, 1)
+        return array, self.labels[i]
+
+
+def set_tf32(on: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    torch.set_float32_matmul_precision("high" if on else "highest")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def endless(loader: DataLoader) -> Iterator:
+    while True:
+        yield from loader
+
+
+def bare_run(row: Row, net: nn.Module, diffusion: GaussianDiffusion, batches: Iterator, *, steps: int,
+             warmup: int, device: torch.device, dm: RAMDataModule | None) -> dict[str, float]:  # fmt: skip
+    """A plain PyTorch loop; returns seconds per step and the data-wait seconds per step."""
+    optimizer, schedule = AdamW(lr=1e-4, warmup_steps=0).build(list(net.parameters()), global_batch_size=64)
+    scaler = torch.amp.GradScaler(enabled=row.precision == "fp16" and device.type == "cuda")
+    dtype = AUTOCAST.get(row.precision)
+    memory_format = torch.channels_last if row.channels_last else torch.contiguous_format
+    attention = nullcontext() if row.fused_attention else sdpa_kernel(SDPBackend.MATH)
+    total = wait = 0.0
+    with attention:
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            images, labels = next(batches)
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            x0 = dm.on_after_batch_transfer((images, labels), 0)[0] if dm else scale_to_unit(images)
+            x0 = x0.contiguous(memory_format=memory_format)
+            sync(device)
+            fetched = time.perf_counter()
+            y = diffusion.drop_labels(labels, net.num_classes) if net.num_classes is not None else None
+            t = diffusion.sample_timesteps(x0.shape[0], device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = diffusion.loss(net, x0, t, torch.randn_like(x0), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()
+            sync(device)
+            if step >= warmup:
+                total += time.perf_counter() - start
+                wait += fetched - start
+    return {"step_s": total / steps, "wait_s": wait / steps}
+
+
+class StepTimer(pl.Callback):
+    """Times every training batch: end-to-end (batch end to batch end) and the wait before its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.ends, self.starts = device, [], []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        sync(self.device)
+        self.ends.append(time.perf_counter())
+
+
+def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup: int,
+                  device: torch.device) -> dict[str, float]:  # fmt: skip
+    module = DiffusionModule(net=net, diffusion=GaussianDiffusion(), optim=AdamW(lr=1e-4, warmup_steps=0))
+    timer = StepTimer(device)
+    trainer = pl.Trainer(
+        accelerator=device.type, devices=1, precision="bf16-mixed" if row.precision == "bf16" else "32-true",
+        max_steps=warmup + steps + 1, limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer], log_every_n_steps=50,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    ends, starts = timer.ends[warmup:], timer.starts[warmup + 1 :]  # steps warmup+1 .. : [end_{i-1}, end_i]
+    spans = [b - a for a, b in itertools.pairwise(ends)][:steps]
+    waits = [s - e for e, s in zip(ends[:-1], starts, strict=False)][:steps]
+    return {"step_s": sum(spans) / len(spans), "wait_s": sum(waits) / len(waits)}
+
+
+def data_run(dm: RAMDataModule, *, steps: int, warmup: int, device: torch.device) -> dict[str, float]:
+    batches, total = endless(dm.train_dataloader()), 0.0
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        images, labels = next(batches)
+        dm.on_after_batch_transfer((images.to(device), labels.to(device)), 0)
+        sync(device)
+        if step >= warmup:
+            total += time.perf_counter() - start
+    return {"step_s": total / steps, "wait_s": total / steps}
+
+
+def step_flops(net: nn.Module, diffusion: GaussianDiffusion, batch: int, device: torch.device) -> float:
+    """FLOPs of one training step (forward + backward) at `batch`, measured at <= 8 images and scaled."""
+    n = min(batch, 8)
+    net = copy.deepcopy(net).to(device)
+    x0 = torch.randn(n, net.in_channels, net.image_size, net.image_size, device=device)
+    y = torch.zeros(n, dtype=torch.long, device=device) if net.num_classes is not None else None
+    with FlopCounterMode(display=False) as counter:
+        diffusion.loss(net, x0, diffusion.sample_timesteps(n, device), torch.randn_like(x0), y).backward()
+    return counter.get_total_flops() * batch / n
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return None if table is None else table[precision]
+
+
+def machine(device: torch.device) -> dict[str, str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"cpu": cpu, "gpu": gpu, "torch": torch.__version__, "commit": commit, "device": str(device)}
+
+
+def load_images(net: UNet, count: int) -> ImageSet:
+    """scikit-learn's digits (offline), resized to the model's size and channels, repeated up to `count`."""
+    data = DigitsSource().load(image_size=net.image_size, channels=net.in_channels)
+    repeat = -(-count // len(data.images))
+    return ImageSet(data.images.repeat(repeat, 1, 1, 1)[:count], data.labels.repeat(repeat)[:count], 10)
+
+
+def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Namespace, folder: Path) -> dict:
+    device = torch.device(args.device)
+    batch = args.batch_size * row.batch_mult
+    torch.manual_seed(0)
+    set_tf32(row.precision == "tf32")
+    net = copy.deepcopy(base).to(device)
+    if row.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    if row.compile:
+        net.compile()
+    diffusion = GaussianDiffusion().to(device)
+    dm = None
+    if row.data == "datamodule":
+        dm = RAMDataModule(source=TensorSource(data), image_size=net.image_size, batch_size=batch, val_size=batch,
+                           num_workers=0)  # fmt: skip
+        dm.setup("fit")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    warmup = args.warmup + (args.compile_warmup if row.compile else 0)
+    if row.runner == "data":
+        timing = data_run(dm, steps=args.steps, warmup=warmup, device=device)  # type: ignore[arg-type]
+    elif row.runner == "lightning":
+        timing = lightning_run(row, net, dm, steps=args.steps, warmup=warmup, device=device)  # type: ignore[arg-type]
+    else:
+        if row.data == "disk":
+            loader = DataLoader(PNGFolder(data, folder), batch_size=batch, shuffle=True, drop_last=True,
+                                num_workers=args.disk_workers, persistent_workers=args.disk_workers > 0)  # fmt: skip
+            batches = endless(loader)
+        elif row.data == "datamodule":
+            batches = endless(dm.train_dataloader())  # type: ignore[union-attr]
+        else:
+            generator = torch.Generator().manual_seed(0)
+            batches = iter(lambda: (lambda i: (data.images[i], data.labels[i]))(
+                torch.randint(0, len(data.images), (batch,), generator=generator)), None)  # fmt: skip
+        timing = bare_run(row, net, diffusion, batches, steps=args.steps, warmup=warmup, device=device, dm=dm)
+    set_tf32(False)
+    ips = batch / timing["step_s"]
+    flops = None if row.runner == "data" else step_flops(base, GaussianDiffusion().to(device), batch, device)
+    peak = peak_flops(device, row.precision)
+    return {
+        "row": name, **row.__dict__, "batch_size": batch, "images_per_s": ips, "ms_per_step": 1e3 * timing["step_s"],
+        "s_per_60k_epoch": 60_000 / ips, "data_wait_fraction": timing["wait_s"] / timing["step_s"],
+        "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "flops_per_step": flops, "mfu": None if peak is None or flops is None else flops / timing["step_s"] / peak,
+    }  # fmt: skip
+
+
+def summarise(results: list[dict]) -> dict[str, Any]:
+    by = {r["row"]: r for r in results}
+    summary: dict[str, Any] = {}
+    if "same_bare_fp32" in by and "same_lightning_fp32" in by:
+        ratio = by["same_bare_fp32"]["images_per_s"] / by["same_lightning_fp32"]["images_per_s"]
+        summary["lightning_overhead"] = ratio - 1
+        summary["lightning_overhead_within_5pct"] = ratio - 1 <= 0.05
+    models = [r["images_per_s"] for r in results if r["runner"] != "data"]
+    if "data_only" in by and models:
+        summary["data_vs_fastest_model"] = by["data_only"]["images_per_s"] / max(models)
+        summary["data_at_least_10x"] = summary["data_vs_fastest_model"] >= 10
+    return summary
+
+
+def table(results: list[dict]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [f"{'row':<24}{'batch':>6}{'img/s':>10}{'ms/step':>10}{'s/60k':>9}{'wait':>7}{'peak MiB':>10}{'MFU':>7}"]
+    for r in results:
+        lines.append(
+            f"{r['row']:<24}{r['batch_size']:>6}{r['images_per_s']:>10.1f}{r['ms_per_step']:>10.2f}"
+            f"{r['s_per_60k_epoch']:>9.1f}{r['data_wait_fraction']:>7.1%}{fmt(r['peak_memory_mib'], '.0f'):>10}"
+            f"{fmt(r['mfu'], '.1%'):>7}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="unet_tiny", help="a preset in conf/model/")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per row")
+    parser.add_argument("--compile-warmup", type=int, default=5, help="extra untimed steps of the compile row")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--images", type=int, default=4096, help="images in the dataset (digits, repeated)")
+    parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput_<model>_<dev>)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    torch.manual_seed(0)
+    base: UNet = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))
+    data = load_images(base, args.images)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            results.append(run_row(name, ROWS[name], base, data, args, Path(folder)))
+            print(f"done {name}: {results[-1]['images_per_s']:.1f} images/s", flush=True)
+    device = torch.device(args.device)
+    report = {"model": args.model, "parameters": sum(p.numel() for p in base.parameters()), "args": vars(args),
+              "machine": machine(device), "rows": results, "summary": summarise(results)}  # fmt: skip
+    print(table(results))
+    print(json.dumps(report["summary"], indent=1))
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"throughput_{args.model}_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

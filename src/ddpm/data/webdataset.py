@@ -1,0 +1,308 @@
+"""WebDataModule: streams tar shards (WebDataset layout: `<key>.png` + `<key>.cls` per sample) for data
+too large to preload, with the same uint8 (B, C, H, W) batches and device-side scaling as RAMDataModule.
+
+Shards are split by rank, then by DataLoader worker: slot s = rank * workers + worker of S slots reads
+shards[s::S]. With fewer shards than slots, slots share a shard and each keeps every k-th sample of it,
+so every sample still goes to exactly one slot (WebDataset's own splitter would leave slots empty and
+raise "No samples found"). Training resamples: each slot cycles through its shards in a fresh order
+every pass, through a shuffle buffer, and an epoch is a fixed number of batches (`epoch_length`).
+Validation is one ordered pass over `val_urls` (or the last `val_shards` of `urls`).
+
+Shards are opened with `webdataset.gopen`: local paths, `file:`, `pipe:` and http(s) URLs.
+"""
+
+import io
+import random
+import tarfile
+import warnings
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ddpm.data.ram import Batch, ScaleOnDevice
+from ddpm.data.sources import convert_channels, fit_to_size
+
+OnError = Literal["raise", "skip"]
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+LABEL_EXTENSIONS = ("cls", "label")
+Sample = tuple[str, dict[str, bytes]]  # key, {extension: bytes}
+
+
+class ShardError(ValueError):
+    """A shard that cannot be read (truncated, corrupt, or holding samples without image or class)."""
+
+
+def expand_urls(urls: str | Sequence[str]) -> list[str]:
+    """'dir/shard-{000000..000009}.tar' (or a list of such; '::' joins patterns) -> the shard URLs, in order."""
+    from webdataset.shardlists import expand_urls as expand  # braces, '::', $WDS_ variables
+
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    expanded = [url for pattern in patterns for url in expand(str(pattern))]
+    if not expanded:
+        raise ValueError("data.urls is empty; give shards as 'path/shard-{000000..000099}.tar' or a list")
+    return expanded
+
+
+def assign_shards(shards: list[str], slot: int, slots: int) -> tuple[list[str], int, int]:
+    """The shards of one (rank, worker) slot, and (offset, stride): keep samples i with i % stride == offset."""
+    if len(shards) >= slots:
+        return shards[slot::slots], 0, 1
+    shard = slot % len(shards)
+    sharers = len(range(shard, slots, len(shards)))  # slots reading this shard
+    return [shards[shard]], slot // len(shards), sharers
+
+
+def read_tar(url: str) -> Iterator[Sample]:
+    """Stream a tar shard as (key, {ext: bytes}), grouping consecutive members by key (name up to the first dot)."""
+    from webdataset.gopen import gopen
+
+    with gopen(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+        key, fields = None, {}
+        for member in tar:
+            if not member.isfile():
+                continue
+            folder, _, name = member.name.rpartition("/")
+            stem, _, ext = name.partition(".")
+            member_key = f"{folder}/{stem}" if folder else stem
+            if member_key != key and key is not None:
+                yield key, fields
+                fields = {}
+            key = member_key
+            fields[ext.lower()] = tar.extractfile(member).read()  # type: ignore[union-attr]
+        if key is not None:
+            yield key, fields
+
+
+def decode(fields: dict[str, bytes], *, image_size: int, channels: int | None) -> tuple[Tensor, int]:
+    """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index."""
+    import numpy as np
+    from PIL import Image
+
+    image_ext = next((e for e in IMAGE_EXTENSIONS if e in fields), None)
+    label_ext = next((e for e in LABEL_EXTENSIONS if e in fields), None)
+    if image_ext is None or label_ext is None:
+        raise ValueError(f"the sample has fields {sorted(fields)}; it needs an image ({IMAGE_EXTENSIONS}) and a .cls")
+    with Image.open(io.BytesIO(fields[image_ext])) as image:
+        image = image.convert("L" if channels == 1 or (channels is None and image.mode == "L") else "RGB")
+        array = np.asarray(image, dtype=np.uint8)
+    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+    tensor = fit_to_size(torch.from_numpy(array.copy())[None], image_size)
+    return convert_channels(tensor, channels)[0], int(fields[label_ext].decode().strip())
+
+
+_DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error)  # truncated or corrupt archives
+
+
+def read_shard(url: str, *, image_size: int, channels: int | None, on_error: OnError) -> Iterator[tuple[Tensor, int]]:
+    """Decoded samples of one shard; a damaged sample raises ShardError naming the shard, or is skipped and counted."""
+    skipped, key = 0, None
+    samples = read_tar(url)
+    while True:
+        try:
+            sample = next(samples, None)
+        except _DAMAGED as error:  # the archive itself (truncated, not a tar): nothing more can be read
+            skipped += 1
+            _fail_or_count(url, "at its start" if key is None else f"after sample {key!r}", error, on_error)
+            break
+        if sample is None:
+            break
+        key, fields = sample
+        try:
+            item = decode(fields, image_size=image_size, channels=channels)
+        except Exception as error:  # PIL raises many types for damaged images
+            skipped += 1
+            _fail_or_count(url, f"in sample {key!r}", error, on_error)
+            continue
+        yield item
+    if skipped:
+        warnings.warn(
+            f"data.on_error=skip: skipped {skipped} damaged sample(s) in shard {url} (a truncated archive counts "
+            "as one; the samples after the damage are lost)",
+            stacklevel=2,
+        )
+
+
+def _fail_or_count(url: str, where: str, error: Exception, on_error: OnError) -> None:
+    if on_error == "raise":
+        raise ShardError(
+            f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; rewrite it "
+            "(python -m ddpm.data.make_shards), remove it from data.urls, or set data.on_error=skip"
+        ) from error
+
+
+class ShardStream(IterableDataset[Batch]):
+    """Batches of uint8 images and int64 labels from the shards of this rank and worker (see the module doc)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        image_size: int,  # H = W of the batches (images of other sizes are resized)
+        channels: int | None,  # 1 or 3 channels; None keeps the shards'
+        batch_size: int,  # images per batch (per device)
+        batches_per_epoch: int | None,  # per rank; None: one ordered pass over the shards (validation)
+        shuffle_buffer: int = 0,  # samples held for shuffling (0: stream order)
+        seed: int = 0,  # seed of the shard order and the shuffle buffer
+        on_error: OnError = "raise",  # damaged samples: raise, or skip with a warning
+        rank: int = 0,  # this process's global rank
+        world_size: int = 1,  # number of processes
+    ) -> None:
+        super().__init__()
+        self.urls, self.image_size, self.channels, self.batch_size = urls, image_size, channels, batch_size
+        self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
+        self.on_error, self.rank, self.world_size = on_error, rank, world_size
+        self.epoch = 0  # passes started in this process (workers are persistent, so it keeps counting)
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is None:
+            raise TypeError("a validation stream has no length known in advance")
+        return self.batches_per_epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        slot, slots = self.rank * workers + worker, self.world_size * workers
+        shards, offset, stride = assign_shards(self.urls, slot, slots)
+        rng = random.Random(f"{self.seed}-{self.epoch}-{slot}")
+        self.epoch += 1
+        samples = self._samples(shards, offset, stride, rng)
+        if self.shuffle_buffer > 1:
+            samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+        if self.batches_per_epoch is None:
+            yield from batches(samples, self.batch_size, count=None)
+        else:
+            count = self.batches_per_epoch // workers + int(worker < self.batches_per_epoch % workers)
+            yield from batches(samples, self.batch_size, count=count)
+
+    def _samples(self, shards: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[tuple[Tensor, int]]:
+        """One ordered pass (validation), or endless passes in a fresh random order each (training)."""
+        while True:
+            order = list(shards) if self.batches_per_epoch is None else rng.sample(shards, len(shards))
+            produced = 0
+            for url in order:
+                for i, item in enumerate(self._read(url)):
+                    if i % stride == offset:
+                        produced += 1
+                        yield item
+            if self.batches_per_epoch is None:
+                return
+            if produced == 0:  # every shard of this slot is empty or unreadable: stop instead of spinning
+                raise ShardError(f"no readable samples in the shards {order}; check data.urls and the shard files")
+
+    def _read(self, url: str) -> Iterator[tuple[Tensor, int]]:
+        return read_shard(url, image_size=self.image_size, channels=self.channels, on_error=self.on_error)
+
+
+def shuffle_buffer(items: Iterator, size: int, rng: random.Random) -> Iterator:
+    """Reservoir-style shuffle: hold `size` items, emit a random one as each new item arrives."""
+    buffer = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        i = rng.randrange(size)
+        yield buffer[i]
+        buffer[i] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def batches(items: Iterator[tuple[Tensor, int]], batch_size: int, *, count: int | None) -> Iterator[Batch]:
+    """Stack samples into (B, C, H, W) uint8 + (B,) int64; `count` full batches, or all (last one partial)."""
+    images, labels, made = [], [], 0
+    for image, label in items:
+        if count is not None and made >= count:
+            return
+        images.append(image)
+        labels.append(label)
+        if len(images) == batch_size:
+            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+            images, labels, made = [], [], made + 1
+    if count is not None and made < count:
+        raise ShardError(f"the shards ended after {made} of {count} batches")  # cannot happen when resampling
+    if images:
+        yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+
+
+class WebDataModule(ScaleOnDevice):
+    """Streams WebDataset tar shards: resampled training epochs of fixed length, one ordered validation pass."""
+
+    def __init__(
+        self,
+        *,
+        urls: str | Sequence[str],  # training shards: 'dir/shard-{000000..000099}.tar' or a list
+        image_size: int,  # H = W of the model's images
+        channels: int | None = None,  # convert to 1 or 3 channels; None keeps the shards'
+        val_urls: str | Sequence[str] | None = None,  # validation shards; None: hold out the last `val_shards`
+        val_shards: int = 1,  # shards of `urls` held out for validation when val_urls is None
+        batch_size: int = 64,  # per device
+        num_workers: int = 2,  # DataLoader workers (decoding runs in them)
+        epoch_length: int = 10_000,  # training samples per epoch, across all ranks
+        shuffle_buffer: int = 1000,  # samples held per worker for shuffling
+        seed: int = 0,  # seed of the shard order and shuffle buffer (rank and worker are mixed in)
+        on_error: OnError = "raise",  # a damaged shard: raise an error naming it, or skip with a warning
+        num_classes: int | None = None,  # classes in the shards' .cls labels (informational)
+        hflip: bool = False,  # random horizontal flips (on the device)
+        pin_memory: bool | None = None,  # None: pin when CUDA is available
+    ) -> None:
+        super().__init__()
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"data.on_error={on_error!r} must be 'raise' or 'skip'")
+        if batch_size < 1 or epoch_length < 1:
+            raise ValueError(f"data.batch_size={batch_size} and data.epoch_length={epoch_length} must be >= 1")
+        self.urls, self.val_urls, self.val_shards = urls, val_urls, val_shards
+        self.image_size, self.channels = image_size, channels
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.epoch_length, self.shuffle_buffer, self.seed, self.on_error = epoch_length, shuffle_buffer, seed, on_error
+        self.num_classes, self.hflip = num_classes, hflip
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.train_set: ShardStream | None = None
+        self.val_set: ShardStream | None = None
+
+    def split_urls(self) -> tuple[list[str], list[str]]:
+        """(training shards, validation shards)."""
+        train = expand_urls(self.urls)
+        if self.val_urls is not None:
+            return train, expand_urls(self.val_urls)
+        if not 1 <= self.val_shards < len(train):
+            raise ValueError(
+                f"data.val_shards={self.val_shards} cannot be held out of the {len(train)} shards of data.urls; "
+                "set data.val_urls to separate validation shards, or data.val_shards between 1 and "
+                f"{len(train) - 1}"
+            )
+        return train[: -self.val_shards], train[-self.val_shards :]
+
+    def setup(self, stage: str | None = None) -> None:
+        train, val = self.split_urls()
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        per_rank = self.epoch_length // (self.batch_size * world)
+        if per_rank < 1:
+            raise ValueError(
+                f"data.epoch_length={self.epoch_length} is less than one batch per device "
+                f"({self.batch_size} x {world} devices); raise data.epoch_length"
+            )
+        common = dict(image_size=self.image_size, channels=self.channels, batch_size=self.batch_size,
+                      seed=self.seed, on_error=self.on_error, rank=rank, world_size=world)  # fmt: skip
+        self.train_set = ShardStream(train, batches_per_epoch=per_rank, shuffle_buffer=self.shuffle_buffer, **common)
+        self.val_set = ShardStream(val, batches_per_epoch=None, **common)
+
+    def _loader(self, dataset: ShardStream | None) -> DataLoader[Batch]:
+        if dataset is None:
+            raise RuntimeError("WebDataModule.setup() has not run")
+        return DataLoader(
+            dataset,
+            batch_size=None,  # the stream yields whole batches
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+        )
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return self._loader(self.train_set)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        return self._loader(self.val_set)

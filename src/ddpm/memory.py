@@ -1,0 +1,119 @@
+"""Training memory estimate: parameters, gradients, AdamW state and activations, for a config.
+
+    python -m ddpm.memory model=seed_mnist data.batch_size=128 [trainer.precision=bf16-mixed] [--measure-batch 4]
+
+Parameters, gradients and optimizer state are counted from the model (AdamW: two float32 moments per
+parameter). Activations are measured, not guessed: one real forward + backward of the diffusion loss at a
+small batch (`--measure-batch`), summing the bytes autograd saves for backward (saved_tensors_hooks, each
+storage once, parameters excluded), scaled linearly to data.batch_size. The total leaves out the CUDA
+context, allocator fragmentation and temporaries of backward (allow ~20-30% more on a GPU).
+"""
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def tensor_bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def saved_tensor_bytes(fn: Callable[[], Tensor], *, exclude: list[Tensor] = ()) -> int:
+    """Bytes autograd keeps for backward while `fn()` builds its graph (each storage once, `exclude` skipped);
+    then runs backward so the graph is freed."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip and storage.device.type != "meta":
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn()
+    out.backward()
+    return sum(seen.values())
+
+
+def estimate(
+    net: nn.Module,
+    loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor],
+    *,
+    batch_size: int,
+    image_shape: tuple[int, int, int],
+    num_classes: int | None,
+    measure_batch: int = 4,
+    precision: str = "32-true",
+    device: str = "cpu",
+) -> dict[str, int]:
+    """Bytes of parameters, gradients, optimizer state and activations (measured at `measure_batch`, scaled)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    net = net.to(device).train()
+    n = min(measure_batch, batch_size)
+    x = torch.randn(n, *image_shape, device=device)
+    y = torch.randint(0, num_classes, (n,), device=device) if num_classes else None
+    dtype = AUTOCAST.get(str(precision))
+    device_type = torch.device(device).type
+
+    def step() -> Tensor:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            return loss_fn(net, x, y)
+
+    activations = saved_tensor_bytes(step, exclude=list(net.parameters())) * batch_size / n
+    net.zero_grad(set_to_none=True)
+    parameter_bytes = tensor_bytes(params)
+    return {
+        "parameters": parameter_bytes,
+        "gradients": parameter_bytes,
+        "optimizer": 2 * sum(p.numel() * 4 for p in params),  # AdamW exp_avg + exp_avg_sq, float32
+        "activations": round(activations),
+    }
+
+
+def report(sizes: dict[str, int], *, count: int, batch_size: int) -> str:
+    total = sum(sizes.values())
+    lines = [f"{'parameters (count)':<20}{count / 1e6:>10.2f} M"]
+    lines += [f"{name:<20}{value / 2**20:>10.1f} MiB" for name, value in sizes.items()]
+    lines.append(f"{'total':<20}{total / 2**20:>10.1f} MiB  (batch {batch_size}; + CUDA context, fragmentation)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="train.py overrides: model=..., data.batch_size=...")
+    parser.add_argument("--measure-batch", type=int, default=4, help="batch of the measured forward/backward")
+    parser.add_argument("--device", default="cpu", help="device of the measured step (cpu, cuda)")
+    args = parser.parse_args(argv)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=args.overrides)
+    net, diffusion = instantiate(cfg.model), instantiate(cfg.diffusion).to(args.device)
+    batch_size = int(cfg.data.batch_size)
+
+    def loss_fn(model: nn.Module, x0: Tensor, y: Tensor | None) -> Tensor:
+        t = diffusion.sample_timesteps(x0.shape[0], x0.device)
+        return diffusion.loss(model, x0, t, torch.randn_like(x0), y)
+
+    sizes = estimate(
+        net, loss_fn, batch_size=batch_size, image_shape=(net.in_channels, net.image_size, net.image_size),
+        num_classes=net.num_classes, measure_batch=args.measure_batch, precision=str(cfg.trainer.precision),
+        device=args.device,
+    )  # fmt: skip
+    count = sum(p.numel() for p in net.parameters())
+    print(f"{' '.join(args.overrides) or 'defaults'}: precision={cfg.trainer.precision}, batch={batch_size}")
+    print(report(sizes, count=count, batch_size=batch_size))
+    return {"parameter_count": count, "batch_size": batch_size, **sizes}
+
+
+if __name__ == "__main__":
+    main()

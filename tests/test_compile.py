@@ -1,0 +1,144 @@
+"""torch.compile in place: no recompilation after warm-up, checkpoints interchangeable with eager runs;
+precision settings (fp16 warning, TF32), channels_last and activation checkpointing."""
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ddpm import precision
+from ddpm.callbacks.ema import EMA
+from ddpm.data.ram import RAMDataModule
+from ddpm.data.sources import DigitsSource
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.models.unet import UNet
+from ddpm.module import DiffusionModule
+from ddpm.optim import AdamW
+
+TINY = dict(in_channels=1, image_size=8, base_channels=16, channel_mult=(1, 2), num_res_blocks=1,
+            attention_resolutions=(4,), num_heads=2, dropout=0.0, norm_groups=4)  # fmt: skip
+
+
+def make_module(**kwargs: Any) -> DiffusionModule:
+    torch.manual_seed(0)
+    return DiffusionModule(net=UNet(**TINY), diffusion=GaussianDiffusion(num_timesteps=100), optim=AdamW(lr=1e-3),
+                           val_timesteps=4, **kwargs)  # fmt: skip
+
+
+def fit(module: DiffusionModule, tmp_path, *, max_steps: int, callbacks: list[pl.Callback] = ()) -> pl.Trainer:
+    data = RAMDataModule(source=DigitsSource(), image_size=8, channels=1, batch_size=16, limit=160, val_size=32)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=2, limit_val_batches=2,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[EMA(decay=0.9), *callbacks],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return trainer
+
+
+class GraphCounts(pl.Callback):
+    """Dynamo's count of distinct compiled graphs after every training batch and every validation."""
+
+    def __init__(self) -> None:
+        self.after_batch: list[int] = []
+        self.after_val: list[int] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.after_batch.append(counters["stats"]["unique_graphs"])
+
+    def on_validation_end(self, *args: Any) -> None:
+        self.after_val.append(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_compiled_training_does_not_recompile_after_warm_up(tmp_path):
+    """Train steps, validations (eval mode, no_grad, EMA weights copied in and out): graphs stop growing after
+    the first train step and the first validation."""
+    torch._dynamo.reset()
+    counters.clear()
+    module = make_module(compile=True, compile_backend="eager")
+    graphs = GraphCounts()
+    fit(module, tmp_path, max_steps=8, callbacks=[graphs])
+    assert module.net._compiled_call_impl is not None  # compiled in place
+    assert len(graphs.after_val) == 4 and graphs.after_val[0] >= 1
+    warm = graphs.after_val[0]  # after step 2: the training graph and the validation graph exist
+    assert graphs.after_batch[2:] == [warm] * (len(graphs.after_batch) - 2), graphs.after_batch
+    assert graphs.after_val == [warm] * 4
+    assert counters["recompiles"] == {} or sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+
+
+def test_checkpoints_move_between_compiled_and_eager(tmp_path):
+    """A checkpoint of a compiled run has plain parameter names and loads into an eager model, and back."""
+    torch._dynamo.reset()
+    compiled = make_module(compile=True, compile_backend="eager")
+    trainer = fit(compiled, tmp_path, max_steps=1)
+    path = tmp_path / "compiled.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    keys = list(checkpoint["state_dict"]) + list(checkpoint["ema_state_dict"])
+    assert not [k for k in keys if "_orig_mod" in k]
+    eager = make_module()
+    eager.load_state_dict(checkpoint["state_dict"], strict=True)
+    x, t = torch.randn(2, 1, 8, 8), torch.tensor([3, 70])
+    compiled.eval(), eager.eval()
+    torch.testing.assert_close(eager.net(x, t), compiled.net(x, t))
+    fresh = make_module(compile=True, compile_backend="eager")  # eager weights into a compiled model
+    fresh.configure_model()
+    fresh.load_state_dict(eager.state_dict(), strict=True)
+    torch.testing.assert_close(fresh.eval().net(x, t), eager.net(x, t))
+
+
+def test_channels_last_trains_with_nhwc_weights_and_inputs(tmp_path):
+    """module.channels_last: conv weights and the step's inputs are channels_last; training runs."""
+    module = make_module(channels_last=True)
+    seen = []
+    original = module.net.forward
+    module.net.forward = lambda x, t, y=None: (seen.append(x.is_contiguous(memory_format=torch.channels_last)),
+                                               original(x, t, y))[1]  # fmt: skip
+    fit(module, tmp_path, max_steps=2)
+    assert module.net.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert seen and all(seen)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """model.checkpoint_activations recomputes ResBlocks in backward: same loss and gradients as without."""
+    grads = []
+    for remat in (False, True):
+        torch.manual_seed(0)
+        net = UNet(**{**TINY, "dropout": 0.0}, checkpoint_activations=remat)
+        for p in net.parameters():  # undo the zero init, so every gradient is non-trivial
+            torch.nn.init.normal_(p, std=0.05)
+        x, t = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([1, 5, 50, 99])
+        net(x, t).square().mean().backward()
+        grads.append({k: p.grad.clone() for k, p in net.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], msg=k)
+
+
+def test_fp16_warns_and_bf16_does_not():
+    """16-mixed warns about GroupNorm/softmax in fp16 and recommends bf16; bf16-mixed and 32-true are quiet."""
+    with pytest.warns(UserWarning, match=r"bf16-mixed"):
+        assert "fp16-warning" in precision.configure_precision("16-mixed")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precision.configure_precision("bf16-mixed")
+
+
+def test_tf32_turns_on_for_float32_on_ampere_only(monkeypatch):
+    """float32 on a capability >= 8.0 GPU sets matmul precision 'high' (TF32); elsewhere nothing changes."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        monkeypatch.setattr(precision, "tf32_capable", lambda: False)
+        assert precision.configure_precision("32-true") == []
+        assert torch.get_float32_matmul_precision() == before
+        monkeypatch.setattr(precision, "tf32_capable", lambda: True)
+        assert precision.configure_precision("bf16-mixed") == []
+        assert precision.configure_precision("32-true") == ["tf32"]
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -1,0 +1,199 @@
+"""WebDataset shards: the writer and the streaming datamodule (round trip, rank/worker splits, damage, train.py)."""
+
+import csv
+import hashlib
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddpm.data.make_shards import main as make_shards
+from ddpm.data.make_shards import write_shards
+from ddpm.data.sources import DigitsSource
+from ddpm.data.webdataset import ShardError, ShardStream, WebDataModule, assign_shards, expand_urls
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def unique_images(n: int, size: int = 8, channels: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """n distinct random uint8 images and labels 0..9."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, channels, size, size), dtype=torch.uint8, generator=g)
+    images[:, 0, 0, :4] = torch.tensor([[i >> 24, i >> 16 & 255, i >> 8 & 255, i & 255] for i in range(n)])
+    return images, torch.arange(n) % 10
+
+
+def digest(image: torch.Tensor) -> str:
+    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+
+
+def stream(urls, *, batches_per_epoch=None, rank=0, world_size=1, batch_size=4, **kw) -> ShardStream:
+    return ShardStream(urls, image_size=8, channels=1, batch_size=batch_size, batches_per_epoch=batches_per_epoch,
+                       rank=rank, world_size=world_size, **kw)  # fmt: skip
+
+
+def collect(dataset: ShardStream, workers: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """All batches of one pass, through a DataLoader (timeout: a stuck worker fails instead of hanging)."""
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers, timeout=60 if workers else 0)
+    iterator = iter(loader)
+    try:
+        batches = list(iterator)
+    finally:  # stop the workers now, even when an error's traceback keeps the iterator alive (pytest.raises)
+        getattr(iterator, "_shutdown_workers", lambda: None)()
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def within(seconds: float, fn, *args):
+    """Run fn(*args) in a thread; fail (instead of hanging the suite) if it takes longer than `seconds`."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result(timeout=seconds)
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    images, labels = unique_images(80)
+    paths = write_shards(images, labels, tmp_path / "shards", samples_per_shard=10)
+    return [str(p) for p in paths], images, labels
+
+
+def test_round_trip_gives_the_written_images_and_labels(shards):
+    """Shards written by write_shards read back, in order, as the same uint8 images and labels."""
+    urls, images, labels = shards
+    got_images, got_labels = collect(stream(urls))
+    assert got_images.dtype == torch.uint8 and got_images.shape == images.shape
+    torch.testing.assert_close(got_images, images, rtol=0, atol=0)
+    torch.testing.assert_close(got_labels, labels, rtol=0, atol=0)
+
+
+def test_make_shards_cli_writes_the_source_images(tmp_path: Path, capsys):
+    """`make_shards digits OUT` writes the digits source's images unchanged; it prints a brace pattern to use."""
+    out = tmp_path / "digits"
+    make_shards(["digits", str(out), "--samples-per-shard", "500", "--image-size", "16", "--channels", "1",
+                 "--no-shuffle"])  # fmt: skip
+    pattern = capsys.readouterr().out.strip().splitlines()[-1]
+    assert pattern == f"'data.urls=\"{out}/shard-{{000000..000003}}.tar\"'"
+    expected = DigitsSource().load(image_size=16, channels=1)
+    dataset = ShardStream(expand_urls(f"{out}/shard-{{000000..000003}}.tar"), image_size=16, channels=1,
+                          batch_size=256, batches_per_epoch=None)  # fmt: skip
+    images, labels = collect(dataset)
+    torch.testing.assert_close(images, expected.images, rtol=0, atol=0)
+    torch.testing.assert_close(labels, expected.labels, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_shards", [8, 3])
+def test_two_ranks_two_workers_see_disjoint_parts_whose_union_is_all(tmp_path: Path, num_shards: int):
+    """2 ranks x 2 workers: every sample is seen by exactly one (rank, worker), with 8 shards and with 3 (< 4 slots)."""
+    images, labels = unique_images(num_shards * 10)
+    urls = [str(p) for p in write_shards(images, labels, tmp_path, samples_per_shard=10)]
+    seen = [{digest(im) for im in collect(stream(urls, rank=rank, world_size=2), workers=2)[0]} for rank in range(2)]
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {digest(im) for im in images}
+    total = sum(len(s) for s in seen)
+    assert total == len(images)
+
+
+def test_assign_shards_splits_shards_then_samples():
+    """>= slots: shards[slot::slots]; fewer: slots share a shard with a sample stride."""
+    shards = [f"s{i}" for i in range(5)]
+    assert [assign_shards(shards, s, 2)[0] for s in range(2)] == [["s0", "s2", "s4"], ["s1", "s3"]]
+    assert [assign_shards(shards[:2], s, 4) for s in range(4)] == [
+        (["s0"], 0, 2), (["s1"], 0, 2), (["s0"], 1, 2), (["s1"], 1, 2)]  # fmt: skip
+
+
+def test_training_stream_has_a_fixed_epoch_length_and_resamples(shards):
+    """Training yields exactly batches_per_epoch full batches per epoch, epoch after epoch, even past the data."""
+    urls, _, _ = shards
+    dataset = stream(urls[:1], batches_per_epoch=7, rank=1, world_size=2, shuffle_buffer=16, batch_size=4)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True, timeout=60)
+    assert len(loader) == 7
+    for _ in range(2):  # 7 x 4 = 28 samples from a slot that owns 1/4 of a 10-sample shard: it must cycle
+        batches = list(loader)
+        assert len(batches) == 7 and all(b[0].shape == (4, 1, 8, 8) for b in batches)
+
+
+def test_datamodule_holds_out_validation_shards_and_scales_on_the_device(shards):
+    """val_shards come off the end of urls; batches become [-1, 1] floats in on_after_batch_transfer."""
+    urls, images, _ = shards
+    dm = WebDataModule(urls=urls, image_size=8, channels=1, batch_size=4, num_workers=0, epoch_length=40)
+    dm.setup("fit")
+    assert dm.val_set.urls == urls[-1:] and dm.train_set.urls == urls[:-1] and len(dm.train_dataloader()) == 10
+    x, _ = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
+    torch.testing.assert_close(x, images[70:74].float() / 127.5 - 1)
+    with pytest.raises(ValueError, match=r"data\.val_urls"):
+        WebDataModule(urls=urls[0], image_size=8, batch_size=4).setup("fit")
+
+
+def truncate(path: str) -> None:
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2 + 100])
+
+
+def test_truncated_shard_raises_an_error_naming_it(shards):
+    """By default a truncated shard stops the run with ShardError naming the file (from a worker too)."""
+    urls, _, _ = shards
+    truncate(urls[2])
+    with pytest.raises(ShardError, match=r"shard-000002\.tar") as error:
+        within(120, collect, stream(urls))
+    assert "data.on_error=skip" in str(error.value)
+    with pytest.raises(Exception, match=r"shard-000002\.tar"):
+        within(120, collect, stream(urls), 2)
+
+
+def test_skip_warns_with_the_count_and_keeps_the_rest(shards, tmp_path: Path):
+    """on_error=skip: a bad image inside a sound tar is skipped and counted; the other samples all arrive."""
+    urls, images, _ = shards
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(urls[0]) as src, tarfile.open(bad, "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            if member.name in {"00000003.png", "00000005.png"}:
+                data = b"not a png" + data[:10]
+            member.size = len(data)
+            dst.addfile(member, io.BytesIO(data))
+    with pytest.warns(UserWarning, match=r"skipped 2 damaged sample\(s\) in shard .*bad\.tar"):
+        got, _ = within(120, collect, stream([str(bad), *urls[1:]], on_error="skip"))
+    assert len(got) == len(images) - 2
+    with pytest.raises(ShardError, match=r"bad\.tar.*in sample '00000003'"):
+        within(120, collect, stream([str(bad)]))
+
+
+def test_skip_on_a_truncated_shard_and_an_all_damaged_training_stream_do_not_hang(shards):
+    """A truncated shard under skip loses its tail with a warning; a slot whose shards are all unreadable raises."""
+    urls, images, _ = shards
+    truncate(urls[1])
+    with pytest.warns(UserWarning, match=r"skipped 1 damaged .*shard-000001\.tar"):
+        got, _ = within(120, collect, stream(urls, on_error="skip"))
+    assert len(images) - 10 < len(got) < len(images)
+    Path(urls[0]).write_bytes(b"garbage" * 100)
+    with pytest.warns(UserWarning), pytest.raises(ShardError, match="no readable samples"):
+        within(120, collect, stream(urls[:1], batches_per_epoch=3, on_error="skip"))
+
+
+@pytest.mark.slow
+def test_train_py_runs_on_shards(tmp_path: Path):
+    """`make_shards` then `train.py data=webdataset data.urls=...` as real commands: val/loss and ema.pt."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
+    out = tmp_path / "shards"
+    make = [sys.executable, "-m", "ddpm.data.make_shards", "digits", str(out), "--samples-per-shard", "300",
+            "--image-size", "16", "--channels", "1", "--limit", "1200"]  # fmt: skip
+    subprocess.run(make, cwd=REPO, env=env, check=True, capture_output=True, timeout=120)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "data=webdataset", f'data.urls="{out}/shard-{{000000..000003}}.tar"',
+           "data.batch_size=16", "data.epoch_length=96", "data.num_workers=2", "trainer.max_steps=8",
+           "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+           "callbacks.checkpoint.every_n_train_steps=4", "callbacks.sample_grid.num_samples=4",
+           "callbacks.sample_grid.sampler.steps=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert sum(1 for r in rows if r.get("train/loss")) == 8
+    assert sum(1 for r in rows if r.get("val/loss")) >= 2
+    assert (run_dir / "ema.pt").is_file()
