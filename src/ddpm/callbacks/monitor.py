@@ -1,0 +1,107 @@
+"""Training health for every logger: gradient norm, images/s, GPU memory; and a Rich progress bar with an ETA.
+
+`Monitor` logs `train/grad_norm` (global L2 norm of the gradients before clipping), `train/images_per_sec`
+(across all devices, averaged over the last `window` batches, data loading included) and, on CUDA,
+`train/gpu_mem_gb` (peak allocated memory of this device). Values are logged as tensors or floats through
+`pl_module.log`, so they reach csv, tensorboard and W&B under the same keys at the Trainer's
+`log_every_n_steps`, and nothing forces a device sync on the steps that are not logged.
+"""
+
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, RichProgressBar
+from torch.optim import Optimizer
+
+
+class Monitor(Callback):
+    """Logs train/grad_norm, train/images_per_sec and (on CUDA) train/gpu_mem_gb."""
+
+    def __init__(
+        self,
+        *,
+        grad_norm: bool = True,  # log the global L2 norm of the gradients (before clipping)
+        throughput: bool = True,  # log images per second across devices
+        gpu_memory: bool = True,  # log peak CUDA memory allocated on this device, in GiB
+        window: int = 20,  # batches averaged by images/s
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"callbacks.monitor.window={window} must be >= 1")
+        self.grad_norm, self.throughput, self.gpu_memory, self.window = grad_norm, throughput, gpu_memory, window
+        self._ends: deque[tuple[float, int]] = deque(maxlen=window + 1)  # (time, images) at batch ends
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if not self.grad_norm:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:  # one fused kernel per dtype/device group; the tensor is only read on logging steps
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+            pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.throughput:
+            images = _batch_size(batch) * trainer.world_size
+            self._ends.append((time.perf_counter(), images))
+            if len(self._ends) >= 2:
+                seconds = self._ends[-1][0] - self._ends[0][0]
+                count = sum(n for _, n in list(self._ends)[1:])
+                pl_module.log("train/images_per_sec", count / max(seconds, 1e-9), prog_bar=True, on_step=True)
+        if self.gpu_memory and pl_module.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            pl_module.log("train/gpu_mem_gb", peak, on_step=True, on_epoch=False)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ends.clear()  # validation and its sample grid are not training throughput
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ends.clear()
+        self._ends.append((time.perf_counter(), 0))
+
+
+def _batch_size(batch: Any) -> int:
+    images = batch[0] if isinstance(batch, list | tuple) else batch
+    return int(images.shape[0])
+
+
+class ProgressBar(RichProgressBar):
+    """Lightning's RichProgressBar, plus the ETA to `trainer.max_steps`; silent when stdout is not a terminal."""
+
+    def __init__(
+        self,
+        *,
+        refresh_rate: int = 1,  # batches between redraws
+        leave: bool = False,  # keep each epoch's bar on screen
+        only_on_terminal: bool = True,  # no bar when stdout is a file or a pipe (SLURM logs, CI, pytest)
+    ) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self._start: tuple[float, int] | None = None  # (time, global_step) when training started
+        if only_on_terminal and not sys.stdout.isatty():
+            self.disable()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._start = (time.perf_counter(), trainer.global_step)
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        eta = eta_seconds(self._start, time.perf_counter(), trainer.global_step, trainer.max_steps)
+        if eta is not None:
+            items["eta"] = str(timedelta(seconds=round(eta)))
+        return items
+
+
+def eta_seconds(start: tuple[float, int] | None, now: float, step: int, max_steps: int) -> float | None:
+    """Seconds left to `max_steps` at the mean rate since `start` (time, step); None when unknown."""
+    if start is None or max_steps is None or max_steps < 0 or step <= start[1]:
+        return None
+    return (now - start[0]) / (step - start[1]) * max(max_steps - step, 0)

@@ -1,0 +1,137 @@
+"""LR range test (Smith 2017) before training: `python train.py tune=lr_find [tune.apply=true]`.
+
+Runs Lightning's `Tuner.lr_find` on a separate Trainer (no callbacks, no logger): it swaps our warm-up
+LambdaLR for an exponential schedule from `min_lr` to `max_lr`, records the smoothed training loss at
+each step, stops when that loss exceeds `early_stop_threshold` times its minimum, and restores the
+initial weights. We suggest the LR at the loss minimum divided by `divisor` (about a tenth), a more
+conservative choice than Lightning's steepest-descent point for a noisy diffusion loss.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.tuner import Tuner
+from omegaconf import DictConfig
+
+
+@dataclass(frozen=True)
+class LRFindResult:
+    lrs: list[float]  # LR of each step
+    losses: list[float]  # smoothed training loss of each step
+    lr_at_min: float  # LR where the smoothed loss is lowest
+    suggestion: float  # lr_at_min / divisor: the LR the optimizer should see
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRRangeTest:
+    """Exponential LR range test settings; `run` returns the curve and the suggested (optimizer) LR."""
+
+    min_lr: float = 1e-7  # first LR of the range
+    max_lr: float = 1e-2  # last LR of the range
+    num_steps: int = 200  # optimizer steps, one LR each
+    early_stop_threshold: float | None = 4.0  # stop when smoothed loss > threshold * its minimum
+    divisor: float = 10.0  # suggestion = LR at the loss minimum / divisor
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_lr < self.max_lr:
+            raise ValueError(f"tune.lr_find: need 0 < min_lr ({self.min_lr}) < max_lr ({self.max_lr})")
+        if self.num_steps < 2 or self.divisor <= 0:
+            raise ValueError(f"tune.lr_find: num_steps={self.num_steps} must be >= 2 and divisor={self.divisor} > 0")
+
+    def run(self, module: pl.LightningModule, datamodule: pl.LightningDataModule, trainer: pl.Trainer) -> LRFindResult:
+        finder = Tuner(trainer).lr_find(
+            module,
+            datamodule=datamodule,
+            min_lr=self.min_lr,
+            max_lr=self.max_lr,
+            num_training=self.num_steps,
+            mode="exponential",
+            early_stop_threshold=self.early_stop_threshold,
+            update_attr=False,
+        )
+        if finder is None:
+            raise RuntimeError("tune=lr_find did not run (trainer.fast_dev_run is set); unset it")
+        lrs, losses = list(finder.results["lr"]), unbias([float(x) for x in finder.results["loss"]])
+        skip = min(10, len(losses) // 10)  # the first steps' average rests on a few noisy losses
+        finite = [i for i, loss in enumerate(losses) if math.isfinite(loss) and i >= skip]
+        if not finite:
+            raise RuntimeError("tune=lr_find: every recorded loss is NaN/inf; lower tune.lr_find.min_lr")
+        best = min(finite, key=losses.__getitem__)
+        return LRFindResult(lrs, losses, lrs[best], lrs[best] / self.divisor)
+
+
+def unbias(smoothed: list[float], beta: float = 0.98) -> list[float]:
+    """Lightning 2.6's _LRCallback debiases the running mean of step i (0-based) by 1 - beta**(i + 2), as it
+    counts steps from 1: its first values are about half the loss, so the minimum lands on the first step.
+    Redo the debiasing with 1 - beta**(i + 1) (Adam's bias correction)."""
+    return [x * (1 - beta ** (i + 2)) / (1 - beta ** (i + 1)) for i, x in enumerate(smoothed)]
+
+
+def save_plot(result: LRFindResult, path: Path) -> Path:
+    """Loss vs LR (log x), the minimum and the suggestion marked; a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(result.lrs, result.losses, color="tab:blue", label="smoothed training loss")
+    ax.axvline(result.lr_at_min, color="tab:red", linestyle=":", label=f"minimum: {result.lr_at_min:.2e}")
+    ax.axvline(result.suggestion, color="tab:green", linestyle="--", label=f"suggested: {result.suggestion:.2e}")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
+    """Run cfg.tune.lr_find on the configured model and data; write the plot; return the suggested optim.lr."""
+    test: LRRangeTest = instantiate(cfg.tune.lr_find)
+    datamodule = instantiate(cfg.data)
+    net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
+    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer,
+        callbacks=[],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(output_dir),
+    )
+    result = test.run(module, datamodule, trainer)
+    # The optimizer saw optim.lr scaled by the batch-size rule; optim.lr is the unscaled value.
+    global_batch = datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
+    scale = optim.scaled_lr(global_batch) / optim.lr
+    suggested = result.suggestion / scale
+    if trainer.is_global_zero:
+        plot = save_plot(result, output_dir / "lr_find.png")
+        record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested}
+        (output_dir / "lr_find.json").write_text(json.dumps(record) + "\n")
+        print(
+            f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g}; "
+            f"suggested optim.lr={suggested:.3g} (plot: {plot})"
+        )
+    return suggested
+
+
+def run_tuning(cfg: DictConfig) -> bool:
+    """train()'s hook for `tune=...`: runs the LR range test; with tune.apply, sets optim.lr. True: go on training."""
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    lr = tune_lr(cfg, output_dir)
+    if cfg.tune.get("apply", False):
+        cfg.optim.lr = float(f"{lr:.3g}")  # the saved config.yaml and checkpoints record the LR used
+        print(f"tune.apply=true: training with optim.lr={cfg.optim.lr:.3g}")
+        return True
+    return False

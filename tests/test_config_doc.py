@@ -1,0 +1,34 @@
+"""docs/configuration.md is generated from conf/, and every option and key in conf/ says what it does."""
+
+from pathlib import Path
+
+from ddpm.config_doc import DOC, load, render, undocumented
+
+
+def test_every_option_and_key_is_documented() -> None:
+    missing = undocumented()
+    assert not missing, (
+        "add a header comment to each option file and a comment to each key (end of line or the line above):\n  "
+        + "\n  ".join(missing)
+    )
+
+
+def test_configuration_md_is_up_to_date() -> None:
+    assert DOC.is_file() and DOC.read_text() == render(), "docs/configuration.md is stale: python -m ddpm.config_doc"
+
+
+def test_a_new_undocumented_option_or_key_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "optim").mkdir()
+    (tmp_path / "optim" / "sgd.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.1   # step size\nmomentum: 0.9\n")
+    (tmp_path / "optim" / "adam.yaml").write_text(
+        "# Adam, documented.\n_target_: ddpm.optim.AdamW\nbetas: [0.9, 0.999]\nsecret: 3\n"
+    )
+    (tmp_path / "train.yaml").write_text("# Entry.\ndefaults:\n  - optim: adam\n# the seed\nseed: 1\n")
+    files = load(tmp_path)
+    assert sorted(undocumented(files)) == [
+        "conf/optim/adam.yaml: secret",  # no comment, and AdamW has no argument `secret`
+        "conf/optim/sgd.yaml",  # no header comment
+    ]  # momentum: from torch.optim.SGD's docstring; betas: from AdamW's source comment; seed: the line above
+    text = render(files)
+    assert "| `seed` | `1` | the seed |" in text and "`optim=sgd`" in text
+    assert "Adam's beta1, beta2" in text  # ddpm.optim.AdamW's field comment
