@@ -15,26 +15,38 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.monitor import Monitor, ProgressBar
+from ddpm.callbacks.nan_guard import NaNGuard
+from ddpm.callbacks.preemption import Preemption
+from ddpm.callbacks.rng import RNGState
 from ddpm.callbacks.sample_grid import SampleGrid
+from ddpm.data.make_shards import write_shards
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
+from ddpm.data.webdataset import WebDataModule
 from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule, check_batch
 from ddpm.optim import AdamW
 from ddpm.training import build_callbacks, build_loggers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-TRAIN_GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "sampler"))
+SAMPLE_GROUPS = ("sampler", "metrics")  # groups of conf/sample.yaml, checked by the sample tests below
+NOT_OPTIONS = ("experiment", "hparams_search", "hydra", "tune", *SAMPLE_GROUPS)  # checked by their own tests
+TRAIN_GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in NOT_OPTIONS)
 OPTIONS = [(group, f.stem) for group in TRAIN_GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 SAMPLERS = sorted(f.stem for f in (CONF / "sampler").glob("*.yaml"))
+SAMPLER_TYPES = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "dpm_solver": DPMSolverSampler}
+METRICS = sorted(f.stem for f in (CONF / "metrics").glob("*.yaml"))
 SMALL_MODEL = 5_000_000  # parameters: models below this also run a forward pass
 
 Compose = Callable[..., DictConfig]
@@ -102,7 +114,21 @@ def check_model(cfg: DictConfig, name: str, tmp_path: Path) -> None:
         assert out.shape == x.shape and torch.isfinite(out).all()
 
 
+def check_webdataset(cfg: DictConfig, tmp_path: Path) -> None:
+    """Write a few real shards, then read a batch through the streaming datamodule."""
+    shape = (40, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    paths = write_shards(images, torch.arange(40) % 10, tmp_path / "shards", samples_per_shard=10)
+    dm = instantiate(cfg.data, urls=[str(p) for p in paths], num_workers=0, batch_size=8, epoch_length=64)
+    assert isinstance(dm, WebDataModule)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    check_batch(dm.on_after_batch_transfer(batch, 0), instantiate(cfg.model))
+
+
 def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    if name == "webdataset":
+        return check_webdataset(cfg, tmp_path)
     dm = instantiate(cfg.data)
     assert isinstance(dm, RAMDataModule)
     assert dm.image_size == cfg.model.image_size and dm.channels == cfg.model.in_channels
@@ -165,7 +191,9 @@ def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     ema, callbacks = build_callbacks(cfg)
     assert isinstance(ema, EMA) and callbacks[0] is ema and ema.decay == cfg.ema.decay
     by_type = {type(c): c for c in callbacks}
-    assert set(by_type) == {EMA, ModelCheckpoint, SampleGrid, LearningRateMonitor}
+    expected = {EMA, RNGState, ModelCheckpoint, SampleGrid, LearningRateMonitor, Monitor, ProgressBar, Preemption}
+    assert set(by_type) == expected | {NaNGuard}
+    assert isinstance(callbacks[1], RNGState)  # right after EMA: its snapshot precedes checkpoint saves
     assert Path(by_type[ModelCheckpoint].dirpath) == tmp_path / "checkpoints"  # under the run directory
     assert isinstance(by_type[SampleGrid].sampler, DDPMSampler)
     _, fewer = build_callbacks(OmegaConf.merge(cfg, {"callbacks": {"sample_grid": None}}))
@@ -175,7 +203,7 @@ def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 def check_logger(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     loggers = build_loggers(cfg)
     assert isinstance(loggers, list) and len(loggers) == 1
-    expected = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+    expected = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
     assert name in expected, f"no expected logger type for logger={name}; extend this test"
     assert isinstance(loggers[0], expected[name])
     assert Path(loggers[0].save_dir) == tmp_path
@@ -215,8 +243,17 @@ def test_sample_config_composes_with_every_sampler(name: str, compose_cfg: Compo
     assert cfg.output_dir == str(tmp_path) and cfg.ckpt == "/runs/x/ema.pt"
     assert (cfg.num_samples, cfg.batch_size, cfg.guidance, cfg.seed, cfg.device) == (64, 256, 0.0, 0, "auto")
     sampler = instantiate(cfg.sampler)
-    assert isinstance(sampler, DDPMSampler) and sampler.steps == 50
-    assert len(sampler.timesteps(1000)) == 50
+    assert name in SAMPLER_TYPES, f"no expected class for sampler={name}; extend SAMPLER_TYPES"
+    assert isinstance(sampler, SAMPLER_TYPES[name]) and sampler.steps == 50
+    if isinstance(sampler, DDPMSampler):
+        assert len(sampler.timesteps(1000)) == 50
+
+
+@pytest.mark.parametrize("name", METRICS)
+def test_sample_config_composes_with_every_metric(name: str, compose_cfg: Compose) -> None:
+    cfg = compose_cfg("sample", [f"metrics=[{name}]", "ckpt=/runs/x/ema.pt"])
+    assert cfg.metrics[name] is True  # the option switches its metric on
+    assert cfg.metrics.features == "inception"  # the default extractor; a classifier file is the offline option
 
 
 def test_sample_config_defaults(compose_cfg: Compose) -> None:

@@ -5,17 +5,24 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.rng import RNGState
 from ddpm.checkpoint import export_ema
+from ddpm.checkpoint_io import AtomicCheckpointIO
+from ddpm.precision import configure_precision
+from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
+from ddpm.sweep import finish_wandb, name_wandb_run
+from ddpm.tuning import run_tuning
 
 
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
-    """The EMA callback first (grids and checkpoints then see this step's average), then the others."""
+    """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
     ema = instantiate(cfg.ema)
     others = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    return ema, [ema, *others]
+    return ema, [ema, RNGState(), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
 def build_loggers(cfg: DictConfig) -> list[Any] | bool:
@@ -23,24 +30,45 @@ def build_loggers(cfg: DictConfig) -> list[Any] | bool:
     return loggers or False
 
 
+def slurm_plugins(cfg: DictConfig) -> list[Any]:
+    """Under SLURM, requeue the job on its pre-timeout signal (Lightning checkpoints, then scontrol requeue)."""
+    if not cfg.get("slurm_requeue", True) or not SLURMEnvironment.detect():
+        return []
+    return [SLURMEnvironment(auto_requeue=True)]
+
+
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final val/loss (the objective of sweeps), or None."""
+    name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
+    if cfg.get("tune") is not None and not run_tuning(cfg):
+        return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
+    check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
+    if ckpt_path is not None:
+        check_resume(ckpt_path, resolved, output_dir)  # safe load, refuses breaking config changes
 
     datamodule = instantiate(cfg.data)
     net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved)
     ema, callbacks = build_callbacks(cfg)
+    configure_precision(cfg.trainer.get("precision"))  # fp16 warning; TF32 on Ampere+ for float32
     trainer: pl.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=build_loggers(cfg), default_root_dir=str(output_dir)
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=build_loggers(cfg),
+        default_root_dir=str(output_dir),
+        plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=cfg.trainer.get("precision")):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
 
     if trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
