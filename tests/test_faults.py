@@ -38,6 +38,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def write_forever(folder: Path, started: int) -> None:
     """Child process: say so on the pipe `started`, then write checkpoints as fast as it can (each holds its own
     stamp in every tensor)."""
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool (libgomp hangs after fork)
     io = AtomicCheckpointIO()
     os.write(started, b"1")
     for i in range(10**9):
