@@ -76,7 +76,7 @@ def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run(sys.executable, "train.py", *TINY, "+callbacks/fid=classifier", f"callbacks.fid.features={classifier}",
         "callbacks.fid.every_n_steps=3", "callbacks.fid.num_samples=8", "callbacks.fid.batch_size=4",
         "callbacks.fid.sampler.steps=2", "callbacks.fid.metrics=[fid,kid]", f"callbacks.fid.cache_dir={root / 'cache'}",
-        f"hydra.run.dir={root / 'run'}")  # fmt: skip
+        "objective=val/cfid@8", f"hydra.run.dir={root / 'run'}")  # fmt: skip
     return {"run": root / "run", "classifier": classifier, "cache": root / "cache"}
 
 
@@ -90,6 +90,8 @@ def test_fid_callback_logs_the_classifier_fid_of_k_samples(evaluated_run: dict[s
         float(r.split(",")[columns.index("val/cfid@8")]) for r in rows if r.split(",")[columns.index("val/cfid@8")]
     ]
     assert len(values) == 1 and math.isfinite(values[0]) and values[0] >= 0
+    result = json.loads((evaluated_run["run"] / "result.json").read_text())  # what a sweep optimises
+    assert result["val/cfid@8"] == pytest.approx(values[0], rel=1e-6)
     cached = list(evaluated_run["cache"].iterdir())
     assert len(cached) == 1 and cached[0].name.startswith("digits-all-16px-clf-")
 

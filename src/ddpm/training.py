@@ -38,7 +38,7 @@ def slurm_plugins(cfg: DictConfig) -> list[Any]:
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Fit the configured model; returns the final val/loss (the objective of sweeps), or None."""
+    """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
     if cfg.get("tune") is not None and not run_tuning(cfg):
         return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
@@ -73,5 +73,18 @@ def train(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
         print(f"EMA weights: {path}")
-    value = trainer.callback_metrics.get("val/loss")
-    return None if value is None else float(value)
+    return objective_value(trainer, cfg.get("objective") or "val/loss")
+
+
+def objective_value(trainer: pl.Trainer, key: str) -> float | None:
+    """The logged metric `key` after fit (the sweep objective); an error naming the logged keys if it is unknown."""
+    value = trainer.callback_metrics.get(key)
+    if value is None:
+        logged = sorted(k for k in trainer.callback_metrics if k.startswith("val/"))
+        if not logged:
+            return None  # no validation ran (e.g. max_steps below val_check_interval)
+        raise ValueError(
+            f"objective={key!r} was never logged; this run logged {logged}. Set objective to one of them "
+            "(val/fid@K needs the FID callback: +callbacks/fid=inception or +callbacks/fid=classifier)"
+        )
+    return float(value)
