@@ -344,4 +344,4 @@ def test_mnist_experiment_is_conditional_32x32_grey(compose_cfg: Compose, mnist_
 def test_mnist_data_root_default_points_at_the_shared_folder() -> None:
     # conf/data/mnist.yaml's default root is relative to the repo (where train.py runs).
     root = (CONF.parent / disk("data", "mnist")["root"]).resolve()
-    assert root == Path(__file__).resolve().parents[2] / "shared/data/mnist"
+    assert root == (Path(__file__).resolve().parents[2] / "shared/data/mnist").resolve()
