@@ -10,19 +10,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from runs import TINY  # tests/runs.py: the tiny-run overrides
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "data.limit=256",
-    "data.batch_size=32",
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "trainer.log_every_n_steps=1",
-    "callbacks.checkpoint.every_n_train_steps=3",
-    "callbacks.sample_grid.every_n_steps=6",
-    "callbacks.sample_grid.num_samples=4",
-    "callbacks.sample_grid.sampler.steps=4",
-]
 
 
 def run(script: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -14,23 +14,13 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from runs import TINY  # tests/runs.py: the tiny-run overrides
 
 from ddpm.callbacks.monitor import eta_seconds
 from ddpm.sweep import collect, format_table
 from ddpm.tuning import unbias
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "data.limit=256",
-    "data.batch_size=32",
-    "trainer.max_steps=6",
-    "trainer.val_check_interval=3",
-    "trainer.log_every_n_steps=1",
-    "callbacks.checkpoint.every_n_train_steps=3",
-    "callbacks.sample_grid.every_n_steps=6",
-    "callbacks.sample_grid.num_samples=4",
-    "callbacks.sample_grid.sampler.steps=4",
-]
 
 
 def run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
