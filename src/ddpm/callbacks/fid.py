@@ -6,13 +6,12 @@ same value and none waits idle in a collective. The training set's statistics ar
 (rank 0, cached on disk) when fitting starts.
 """
 
-from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from ddpm.callbacks.sample_grid import find_ema
+from ddpm.callbacks.sample_grid import sample_with_ema
 from ddpm.diffusion.generate import Sampler, class_cycle
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
@@ -74,28 +73,18 @@ class FID(Callback):
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Sample this rank's share from the EMA weights, gather the features, compute the metrics."""
         assert self.extractor is not None and self.reference is not None, "on_fit_start has not run"
-        net, diffusion = pl_module.net, pl_module.diffusion
+        net = pl_module.net
         labels = class_cycle(self.num_samples, net.num_classes) if net.num_classes is not None else None
-        ema, was_training = find_ema(trainer), net.training
-        net.eval()
-        try:
-            with ema.averaged(net) if ema is not None else nullcontext():
-                mine = generate_shard(
-                    net=net,
-                    betas=diffusion.betas64(),
-                    prediction=diffusion.prediction,
-                    sampler=self.sampler,
-                    image_shape=(net.in_channels, net.image_size, net.image_size),
-                    num_samples=self.num_samples,
-                    labels=labels,
-                    null_class=net.num_classes,
-                    guidance=self.guidance if labels is not None else 0.0,
-                    seed=self.seed,
-                    batch_size=self.batch_size,
-                    device=pl_module.device,
-                )
-        finally:
-            net.train(was_training)
+        mine = sample_with_ema(
+            trainer,
+            pl_module,
+            sampler=self.sampler,
+            num_samples=self.num_samples,
+            guidance=self.guidance,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            generate_fn=generate_shard,
+        )
         features, logits = sharded_features(self.extractor, mine.images, self.batch_size)
         return compute_metrics(
             self.metrics,

@@ -1,5 +1,6 @@
 """Saves a grid of EMA samples every N optimizer steps (PNG in the run directory, and to the loggers)."""
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,12 @@ def sample_with_ema(
     guidance: float,
     seed: int,
     batch_size: int = 256,
+    generate_fn: Callable[..., Generated] = generate,
 ) -> Generated:
-    """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode."""
+    """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode.
+
+    `generate_fn` takes `generate`'s keywords: `generate` (all images here), or
+    `ddpm.metrics.evaluate.generate_shard` (this DDP rank's share)."""
     net, diffusion = pl_module.net, pl_module.diffusion
     labels = class_cycle(num_samples, net.num_classes) if net.num_classes is not None else None
     ema = find_ema(trainer)
@@ -38,7 +43,7 @@ def sample_with_ema(
     net.eval()
     try:
         with ema.averaged(net) if ema is not None else nullcontext():
-            return generate(
+            return generate_fn(
                 net=net,
                 betas=diffusion.betas64(),
                 prediction=diffusion.prediction,
