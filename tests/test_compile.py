@@ -1,6 +1,8 @@
 """torch.compile in place: no recompilation after warm-up, checkpoints interchangeable with eager runs;
 precision settings (fp16 warning, TF32), channels_last and activation checkpointing."""
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -122,7 +124,6 @@ def test_fp16_warns_and_bf16_does_not():
     """16-mixed warns about GroupNorm/softmax in fp16 and recommends bf16; bf16-mixed and 32-true are quiet."""
     with pytest.warns(UserWarning, match=r"bf16-mixed"):
         assert "fp16-warning" in precision.configure_precision("16-mixed")
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -142,3 +143,48 @@ def test_tf32_turns_on_for_float32_on_ampere_only(monkeypatch):
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags the kernel reports (/proc/cpuinfo), an independent view of the hardware."""
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        pytest.skip("no /proc/cpuinfo on this platform")
+    line = next((line for line in info.read_text().splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_native_bf16_on_cpu_agrees_with_the_cpu_flags():
+    """oneDNN runs bf16 natively from AVX512 (core: bw, vl, dq) up; an AVX2-only CPU has no bf16 path."""
+    flags = cpu_flags()
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        assert precision.native_bf16("cpu")
+    elif not any(flag.startswith("avx512") for flag in flags):
+        assert not precision.native_bf16("cpu")
+    else:
+        pytest.skip(f"AVX512 without avx512_bf16: oneDNN's choice depends on its version ({sorted(flags)[:5]}...)")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_only_where_native(monkeypatch, native):
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
+    assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "32-true")
+    for explicit in ("32-true", "16-mixed"):
+        assert precision.resolve_precision(explicit, "cpu") == explicit
+
+
+def test_explicit_bf16_on_a_cpu_without_it_warns_and_names_the_fix(monkeypatch):
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    with pytest.warns(UserWarning, match=r"trainer\.precision=auto .* trainer\.precision=32-true"):
+        assert precision.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"  # the user's choice stands
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert precision.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+
+
+def test_run_device_follows_the_accelerator(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [precision.run_device(a) for a in ("auto", None, "cpu", "gpu", "cuda")] == ["cpu"] * 3 + ["cuda"] * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert precision.run_device("auto") == "cuda"

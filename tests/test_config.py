@@ -36,6 +36,7 @@ from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule, check_batch
 from ddpm.optim import AdamW
+from ddpm.precision import resolve_precision
 from ddpm.training import build_callbacks, build_loggers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -176,12 +177,14 @@ def check_optim(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 
 
 def check_trainer(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    precision = resolve_precision(cfg.trainer.precision, "cpu")  # as train() does: auto -> bf16-mixed or 32-true
     trainer = instantiate(
-        cfg.trainer, accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
-    )
+        cfg.trainer, accelerator="cpu", precision=precision, logger=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
     assert isinstance(trainer, pl.Trainer)
     assert trainer.max_steps == cfg.trainer.max_steps
-    assert trainer.precision == cfg.trainer.precision
+    assert trainer.precision == precision
     assert trainer.num_devices == cfg.trainer.devices
     if name == "ddp":
         assert type(trainer.strategy).__name__ == "DDPStrategy"
@@ -287,8 +290,9 @@ def test_experiment_composes_and_builds(name: str, compose_cfg: Compose, tmp_pat
     ema, _ = build_callbacks(cfg)
     assert ema.decay == cfg.ema.decay
     instantiate(
-        cfg.trainer, accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
-    )
+        cfg.trainer, accelerator="cpu", precision=resolve_precision(cfg.trainer.precision, "cpu"), logger=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
 
 
 def test_digits_is_the_default_experiment(compose_cfg: Compose) -> None:

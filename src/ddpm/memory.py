@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ddpm.precision import resolve_precision
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = compose("train", overrides=args.overrides)
     net, diffusion = instantiate(cfg.model), instantiate(cfg.diffusion).to(args.device)
     batch_size = int(cfg.data.batch_size)
+    precision = resolve_precision(cfg.trainer.precision, "cuda" if args.device.startswith("cuda") else "cpu")
 
     def loss_fn(model: nn.Module, x0: Tensor, y: Tensor | None) -> Tensor:
         t = diffusion.sample_timesteps(x0.shape[0], x0.device)
@@ -106,11 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     sizes = estimate(
         net, loss_fn, batch_size=batch_size, image_shape=(net.in_channels, net.image_size, net.image_size),
-        num_classes=net.num_classes, measure_batch=args.measure_batch, precision=str(cfg.trainer.precision),
-        device=args.device,
+        num_classes=net.num_classes, measure_batch=args.measure_batch, precision=precision, device=args.device,
     )  # fmt: skip
     count = sum(p.numel() for p in net.parameters())
-    print(f"{' '.join(args.overrides) or 'defaults'}: precision={cfg.trainer.precision}, batch={batch_size}")
+    print(f"{' '.join(args.overrides) or 'defaults'}: precision={precision}, batch={batch_size}")
     print(report(sizes, count=count, batch_size=batch_size))
     return {"parameter_count": count, "batch_size": batch_size, **sizes}
 

@@ -12,7 +12,7 @@ from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.rng import RNGState
 from ddpm.checkpoint import export_ema
 from ddpm.checkpoint_io import AtomicCheckpointIO
-from ddpm.precision import configure_precision
+from ddpm.precision import configure_precision, resolve_precision
 from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
 from ddpm.sweep import finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
@@ -58,15 +58,17 @@ def train(cfg: DictConfig) -> float | None:
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved)
     ema, callbacks = build_callbacks(cfg)
-    configure_precision(cfg.trainer.get("precision"))  # fp16 warning; TF32 on Ampere+ for float32
+    precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))  # auto -> bf16/32
+    configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
+        precision=precision,
         callbacks=callbacks,
         logger=build_loggers(cfg),
         default_root_dir=str(output_dir),
         plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
     )
-    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=cfg.trainer.get("precision")):
+    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
 

@@ -17,6 +17,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig
 
+from ddpm.precision import resolve_precision
+
 
 @dataclass(frozen=True)
 class LRFindResult:
@@ -98,6 +100,7 @@ def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
+        precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")),
         callbacks=[],
         logger=False,
         enable_checkpointing=False,
