@@ -1,7 +1,8 @@
 """Training throughput, row by row, all rows measured in one run (ratios between rows are the result).
 
     python benchmarks/throughput.py --model seed_mnist --batch-size 128 --steps 100 --device cuda
-    python benchmarks/throughput.py --model unet_tiny --steps 30 --rows same_bare_fp32,same_lightning_fp32,data_only
+    python benchmarks/throughput.py --model unet_tiny --steps 30 --rows same_bare_fp32,same_lightning_fp32,data_only \
+        --repeats 5          # rows interleaved 5 times; medians, and the overhead as the median of paired ratios
 
 Rows (--rows, comma-separated; default all):
   disk_fp32               bare eager float32 loop, PNG files read with PIL every step (DataLoader), TF32 off
@@ -27,6 +28,7 @@ import copy
 import itertools
 import json
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -304,16 +306,24 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
     }  # fmt: skip
 
 
-def summarise(results: list[dict]) -> dict[str, Any]:
-    by = {r["row"]: r for r in results}
+def median_run(runs: list[dict]) -> dict:
+    """The run of median images/s (the upper median of an even count), with every repeat's figure attached."""
+    ordered = sorted(runs, key=lambda r: r["images_per_s"])
+    return {**ordered[len(ordered) // 2], "images_per_s_runs": [r["images_per_s"] for r in runs]}
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """Lightning overhead as the median of per-repeat ratios (each pair measured back to back); the data rate."""
     summary: dict[str, Any] = {}
-    if "same_bare_fp32" in by and "same_lightning_fp32" in by:
-        ratio = by["same_bare_fp32"]["images_per_s"] / by["same_lightning_fp32"]["images_per_s"]
-        summary["lightning_overhead"] = ratio - 1
-        summary["lightning_overhead_within_5pct"] = ratio - 1 <= 0.05
-    models = [r["images_per_s"] for r in results if r["runner"] != "data"]
-    if "data_only" in by and models:
-        summary["data_vs_fastest_model"] = by["data_only"]["images_per_s"] / max(models)
+    if "same_bare_fp32" in runs and "same_lightning_fp32" in runs:
+        pairs = zip(runs["same_bare_fp32"], runs["same_lightning_fp32"], strict=True)
+        overheads = sorted(bare["images_per_s"] / light["images_per_s"] - 1 for bare, light in pairs)
+        summary["lightning_overhead"] = statistics.median(overheads)
+        summary["lightning_overhead_per_repeat"] = overheads
+        summary["lightning_overhead_within_5pct"] = summary["lightning_overhead"] <= 0.05
+    models = [median_run(r)["images_per_s"] for name, r in runs.items() if ROWS[name].runner != "data"]
+    if "data_only" in runs and models:
+        summary["data_vs_fastest_model"] = median_run(runs["data_only"])["images_per_s"] / max(models)
         summary["data_at_least_10x"] = summary["data_vs_fastest_model"] >= 10
     return summary
 
@@ -343,23 +353,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--images", type=int, default=4096, help="images in the dataset (digits, repeated)")
     parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput_<model>_<dev>)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = sorted(set(names) - set(ROWS))
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be >= 1")
     torch.manual_seed(0)
     base: UNet = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))
     data = load_images(base, args.images)
-    results = []
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as folder:
-        for name in names:
-            results.append(run_row(name, ROWS[name], base, data, args, Path(folder)))
-            print(f"done {name}: {results[-1]['images_per_s']:.1f} images/s", flush=True)
+        for repeat in range(args.repeats):  # alternate the order, so slow drift of the machine hits every row
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                runs[name].append(run_row(name, ROWS[name], base, data, args, Path(folder)))
+                print(f"done {name} ({repeat + 1}/{args.repeats}): {runs[name][-1]['images_per_s']:.1f} images/s",
+                      flush=True)  # fmt: skip
+    results = [median_run(runs[name]) for name in names]
     device = torch.device(args.device)
     report = {"model": args.model, "parameters": sum(p.numel() for p in base.parameters()), "args": vars(args),
-              "machine": machine(device), "rows": results, "summary": summarise(results)}  # fmt: skip
+              "machine": machine(device), "rows": results, "summary": summarise(runs)}  # fmt: skip
     print(table(results))
     print(json.dumps(report["summary"], indent=1))
     out = Path(args.out or REPO / "benchmarks" / "results" / f"throughput_{args.model}_{device.type}.json")
