@@ -249,7 +249,8 @@ def machine(device: torch.device) -> dict[str, str]:
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"cpu": cpu, "gpu": gpu, "torch": torch.__version__, "commit": commit, "device": str(device)}
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
+            "torch": torch.__version__, "commit": commit, "device": str(device)}  # fmt: skip
 
 
 def load_images(net: UNet, count: int) -> ImageSet:
