@@ -13,9 +13,13 @@ Rows (--rows, comma-separated; default all):
   ram_bf16_compile        ... torch.compile (inductor; compile time excluded by the warm-up steps)
   ram_bf16_channels_last  ... NHWC weights and inputs
   ram_bf16_math_attn      ... fused attention off (SDPA math kernel: materialises the attention map)
+  full                    the whole recipe at once: RAM, bf16, 4x batch, compile, channels_last, fused attention
   lightning_bf16          the same model through our Trainer (DiffusionModule + RAMDataModule), bf16-mixed
+  lightning_full          the whole recipe through our Trainer (module.compile, module.channels_last, bf16-mixed)
   same_bare_fp32          identical settings pair: RAMDataModule loader, AdamW from ddpm.optim, grad clip 1.0,
   same_lightning_fp32       float32; bare loop vs Trainer -> the Lightning overhead (acceptance: within 5%)
+  paired_fp32             the same pair step by step: a bare step right after every Lightning step, in one process;
+                            the overhead is the median of neighbouring steps' ratios (the machine's drift cancels)
   data_only               the RAM datamodule alone (load, transfer, scale): images/s vs the model's (>= 10x)
 
 Columns: images/s, ms/step, s per 60,000-image epoch, peak memory (CUDA), data-wait fraction, MFU (FLOPs of
@@ -25,14 +29,13 @@ benchmarks/results/ with the machine, torch version and git commit.
 
 import argparse
 import copy
-import itertools
 import json
 import platform
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +66,13 @@ PEAK_FLOPS = {  # dense tensor-core peaks (SXM), FLOP/s; by a substring of torch
     "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
 }
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (all threads)
+CLOCK = [time.perf_counter]  # the clock every row is timed with (--clock)
 
 
 @dataclass(frozen=True)
 class Row:
-    runner: str  # bare | lightning | data
+    runner: str  # bare | lightning | paired (Lightning with a bare step after each) | data
     data: str = "ram"  # disk | ram | datamodule
     precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16
     batch_mult: int = 1
@@ -86,9 +91,14 @@ ROWS = {
     "ram_bf16_compile": Row("bare", precision="bf16", compile=True),
     "ram_bf16_channels_last": Row("bare", precision="bf16", channels_last=True),
     "ram_bf16_math_attn": Row("bare", precision="bf16", fused_attention=False),
+    "full": Row("bare", precision="bf16", batch_mult=4, compile=True, channels_last=True),
     "lightning_bf16": Row("lightning", data="datamodule", precision="bf16"),
+    "lightning_full": Row(
+        "lightning", data="datamodule", precision="bf16", batch_mult=4, compile=True, channels_last=True
+    ),
     "same_bare_fp32": Row("bare", data="datamodule"),
     "same_lightning_fp32": Row("lightning", data="datamodule"),
+    "paired_fp32": Row("paired", data="datamodule"),
     "data_only": Row("data", data="datamodule"),
 }
 
@@ -146,60 +156,81 @@ def endless(loader: DataLoader) -> Iterator:
         yield from loader
 
 
-def bare_run(row: Row, net: nn.Module, diffusion: GaussianDiffusion, batches: Iterator, *, steps: int,
-             warmup: int, device: torch.device, dm: RAMDataModule | None) -> dict[str, float]:  # fmt: skip
-    """A plain PyTorch loop; returns seconds per step and the data-wait seconds per step."""
+def bare_step(row: Row, net: nn.Module, diffusion: GaussianDiffusion, batches: Iterator, *, device: torch.device,
+              dm: RAMDataModule | None) -> Callable[[], float]:  # fmt: skip
+    """One step of a plain PyTorch loop (fetch, loss, backward, clip, AdamW, LR schedule); returns its fetch time."""
     optimizer, schedule = AdamW(lr=1e-4, warmup_steps=0).build(list(net.parameters()), global_batch_size=64)
     scaler = torch.amp.GradScaler(enabled=row.precision == "fp16" and device.type == "cuda")
     dtype = AUTOCAST.get(row.precision)
     memory_format = torch.channels_last if row.channels_last else torch.contiguous_format
-    attention = nullcontext() if row.fused_attention else sdpa_kernel(SDPBackend.MATH)
+
+    def step() -> float:
+        start = CLOCK[0]()
+        images, labels = next(batches)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        x0 = dm.on_after_batch_transfer((images, labels), 0)[0] if dm else scale_to_unit(images)
+        x0 = x0.contiguous(memory_format=memory_format)
+        sync(device)
+        fetched = CLOCK[0]()
+        y = diffusion.drop_labels(labels, net.num_classes) if net.num_classes is not None else None
+        t = diffusion.sample_timesteps(x0.shape[0], device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = diffusion.loss(net, x0, t, torch.randn_like(x0), y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        schedule.step()
+        sync(device)
+        return fetched - start
+
+    return step
+
+
+def bare_run(row: Row, step: Callable[[], float], *, steps: int, warmup: int) -> dict[str, float]:
+    """A plain PyTorch loop; returns seconds per step and the data-wait seconds per step."""
     total = wait = 0.0
-    with attention:
-        for step in range(warmup + steps):
-            start = time.perf_counter()
-            images, labels = next(batches)
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            x0 = dm.on_after_batch_transfer((images, labels), 0)[0] if dm else scale_to_unit(images)
-            x0 = x0.contiguous(memory_format=memory_format)
-            sync(device)
-            fetched = time.perf_counter()
-            y = diffusion.drop_labels(labels, net.num_classes) if net.num_classes is not None else None
-            t = diffusion.sample_timesteps(x0.shape[0], device)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = diffusion.loss(net, x0, t, torch.randn_like(x0), y)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            schedule.step()
-            sync(device)
-            if step >= warmup:
-                total += time.perf_counter() - start
-                wait += fetched - start
+    with nullcontext() if row.fused_attention else sdpa_kernel(SDPBackend.MATH):
+        for i in range(warmup + steps):
+            start = CLOCK[0]()
+            fetch = step()
+            if i >= warmup:
+                total += CLOCK[0]() - start
+                wait += fetch
     return {"step_s": total / steps, "wait_s": wait / steps}
 
 
 class StepTimer(pl.Callback):
-    """Times every training batch: end-to-end (batch end to batch end) and the wait before its start."""
+    """Times every training batch: end-to-end (batch end to batch end) and the wait before its start.
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.ends, self.starts = device, [], []
+    With `interleave` (a bare_step), a bare-loop step runs right after every Lightning step, outside the
+    timed Lightning span: pairs of steps measured milliseconds apart, so the machine's drift cancels.
+    """
+
+    def __init__(self, device: torch.device, interleave: Callable[[], float] | None = None) -> None:
+        self.device, self.interleave = device, interleave
+        self.starts, self.ends, self.resumed, self.bare = [], [], [], []  # per batch; bare: the twin's step time
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(CLOCK[0]())
 
     def on_train_batch_end(self, *args: Any) -> None:
         sync(self.device)
-        self.ends.append(time.perf_counter())
+        self.ends.append(CLOCK[0]())
+        self.resumed.append(self.ends[-1])  # when the next Lightning span starts
+        if self.interleave is not None:
+            self.interleave()
+            self.resumed[-1] = CLOCK[0]()
+            self.bare.append(self.resumed[-1] - self.ends[-1])
 
 
-def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup: int,
-                  device: torch.device) -> dict[str, float]:  # fmt: skip
-    module = DiffusionModule(net=net, diffusion=GaussianDiffusion(), optim=AdamW(lr=1e-4, warmup_steps=0))
-    timer = StepTimer(device)
+def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup: int, device: torch.device,
+                  interleave: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
+    module = DiffusionModule(net=net, diffusion=GaussianDiffusion(), optim=AdamW(lr=1e-4, warmup_steps=0),
+                             compile=row.compile, channels_last=row.channels_last)  # fmt: skip
+    timer = StepTimer(device, interleave)
     trainer = pl.Trainer(
         accelerator=device.type, devices=1, precision="bf16-mixed" if row.precision == "bf16" else "32-true",
         max_steps=warmup + steps + 1, limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
@@ -207,21 +238,27 @@ def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup:
         callbacks=[timer], log_every_n_steps=50,
     )  # fmt: skip
     trainer.fit(module, datamodule=dm)
-    ends, starts = timer.ends[warmup:], timer.starts[warmup + 1 :]  # steps warmup+1 .. : [end_{i-1}, end_i]
-    spans = [b - a for a, b in itertools.pairwise(ends)][:steps]
-    waits = [s - e for e, s in zip(ends[:-1], starts, strict=False)][:steps]
-    return {"step_s": sum(spans) / len(spans), "wait_s": sum(waits) / len(waits)}
+    # Steps warmup+1 ..: span i runs from the previous batch's end (after its bare twin, if any) to its own end.
+    resumed, ends, starts = timer.resumed[warmup:], timer.ends[warmup + 1 :], timer.starts[warmup + 1 :]
+    spans = [e - r for r, e in zip(resumed, ends, strict=False)][:steps]
+    waits = [s - r for r, s in zip(resumed, starts, strict=False)][:steps]
+    out: dict[str, Any] = {"step_s": sum(spans) / len(spans), "wait_s": sum(waits) / len(waits)}
+    if interleave is not None:  # bare[i] ran right before span i: per-step ratios of neighbours
+        bare = timer.bare[warmup : warmup + len(spans)]
+        out["paired_overhead"] = statistics.median(s / b - 1 for s, b in zip(spans, bare, strict=True))
+        out["bare_step_s"] = sum(bare) / len(bare)
+    return out
 
 
 def data_run(dm: RAMDataModule, *, steps: int, warmup: int, device: torch.device) -> dict[str, float]:
     batches, total = endless(dm.train_dataloader()), 0.0
     for step in range(warmup + steps):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         images, labels = next(batches)
         dm.on_after_batch_transfer((images.to(device), labels.to(device)), 0)
         sync(device)
         if step >= warmup:
-            total += time.perf_counter() - start
+            total += CLOCK[0]() - start
     return {"step_s": total / steps, "wait_s": total / steps}
 
 
@@ -266,9 +303,9 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
     torch.manual_seed(0)
     set_tf32(row.precision == "tf32")
     net = copy.deepcopy(base).to(device)
-    if row.channels_last:
+    if row.channels_last and row.runner == "bare":
         net = net.to(memory_format=torch.channels_last)
-    if row.compile:
+    if row.compile and row.runner == "bare":  # the Lightning rows compile in DiffusionModule.configure_model
         net.compile()
     diffusion = GaussianDiffusion().to(device)
     dm = None
@@ -281,8 +318,10 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
     warmup = args.warmup + (args.compile_warmup if row.compile else 0)
     if row.runner == "data":
         timing = data_run(dm, steps=args.steps, warmup=warmup, device=device)  # type: ignore[arg-type]
-    elif row.runner == "lightning":
-        timing = lightning_run(row, net, dm, steps=args.steps, warmup=warmup, device=device)  # type: ignore[arg-type]
+    elif row.runner in ("lightning", "paired"):
+        twin = bare_step(row, copy.deepcopy(base).to(device), diffusion, endless(dm.train_dataloader()),  # type: ignore[union-attr]
+                         device=device, dm=dm) if row.runner == "paired" else None  # fmt: skip
+        timing = lightning_run(row, net, dm, steps=args.steps, warmup=warmup, device=device, interleave=twin)  # type: ignore[arg-type]
     else:
         if row.data == "disk":
             loader = DataLoader(PNGFolder(data, folder), batch_size=batch, shuffle=True, drop_last=True,
@@ -294,7 +333,8 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
             generator = torch.Generator().manual_seed(0)
             batches = iter(lambda: (lambda i: (data.images[i], data.labels[i]))(
                 torch.randint(0, len(data.images), (batch,), generator=generator)), None)  # fmt: skip
-        timing = bare_run(row, net, diffusion, batches, steps=args.steps, warmup=warmup, device=device, dm=dm)
+        step = bare_step(row, net, diffusion, batches, device=device, dm=dm)
+        timing = bare_run(row, step, steps=args.steps, warmup=warmup)
     set_tf32(False)
     ips = batch / timing["step_s"]
     flops = None if row.runner == "data" else step_flops(base, GaussianDiffusion().to(device), batch, device)
@@ -304,6 +344,7 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
         "s_per_60k_epoch": 60_000 / ips, "data_wait_fraction": timing["wait_s"] / timing["step_s"],
         "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "flops_per_step": flops, "mfu": None if peak is None or flops is None else flops / timing["step_s"] / peak,
+        **{k: timing[k] for k in ("paired_overhead", "bare_step_s") if k in timing},
     }  # fmt: skip
 
 
@@ -317,15 +358,28 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """Lightning overhead as the median of per-repeat ratios (each pair measured back to back); the data rate."""
     summary: dict[str, Any] = {}
     if "same_bare_fp32" in runs and "same_lightning_fp32" in runs:
-        pairs = zip(runs["same_bare_fp32"], runs["same_lightning_fp32"], strict=True)
+        pairs = list(zip(runs["same_bare_fp32"], runs["same_lightning_fp32"], strict=True))
         overheads = sorted(bare["images_per_s"] / light["images_per_s"] - 1 for bare, light in pairs)
         summary["lightning_overhead"] = statistics.median(overheads)
         summary["lightning_overhead_per_repeat"] = overheads
+        # The same in ms per step: Lightning's per-step cost is a constant (hooks, logging), so a tiny model
+        # (--batch-size 1) measures it with little noise, and it bounds the relative overhead of bigger ones.
+        summary["lightning_overhead_ms"] = statistics.median(lt["ms_per_step"] - b["ms_per_step"] for b, lt in pairs)
         summary["lightning_overhead_within_5pct"] = summary["lightning_overhead"] <= 0.05
+    if "paired_fp32" in runs:
+        paired = sorted(r["paired_overhead"] for r in runs["paired_fp32"])
+        summary["lightning_overhead_paired"] = statistics.median(paired)
+        summary["lightning_overhead_paired_per_repeat"] = paired
+        summary["lightning_overhead_paired_within_5pct"] = summary["lightning_overhead_paired"] <= 0.05
     models = [median_run(r)["images_per_s"] for name, r in runs.items() if ROWS[name].runner != "data"]
     if "data_only" in runs and models:
         summary["data_vs_fastest_model"] = median_run(runs["data_only"])["images_per_s"] / max(models)
         summary["data_at_least_10x"] = summary["data_vs_fastest_model"] >= 10
+    if "disk_fp32" in runs:  # the design notes' starting point: strict float32 eager, one file per image
+        baseline = median_run(runs["disk_fp32"])["images_per_s"]
+        for name in ("full", "lightning_full"):
+            if name in runs:
+                summary[f"{name}_vs_disk_fp32"] = median_run(runs[name])["images_per_s"] / baseline
     return summary
 
 
@@ -354,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--images", type=int, default=4096, help="images in the dataset (digits, repeated)")
     parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall: elapsed; cpu: process CPU time")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput_<model>_<dev>)")
     args = parser.parse_args(argv)
@@ -363,6 +419,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be >= 1")
+    CLOCK[0] = CLOCKS[args.clock]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base: UNet = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))
     data = load_images(base, args.images)
