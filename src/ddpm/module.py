@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from ddpm.callbacks.monitor import logs_this_step
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
@@ -54,7 +55,8 @@ class DiffusionModule(pl.LightningModule):
         x0, y = self._checked_batch(batch, "train")
         t = self.diffusion.sample_timesteps(x0.shape[0], x0.device)
         loss = self.diffusion.loss(self.net, x0, t, torch.randn_like(x0), self._training_labels(y))
-        self.log("train/loss", loss, prog_bar=True)
+        if logs_this_step(self._trainer):  # the loggers' rows are the same; the other steps skip self.log's cost
+            self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:

@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 
+from ddpm.callbacks.monitor import logs_this_step
+
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """True when no element is NaN/inf: each max-abs norm is finite exactly then (and, unlike the 2-norm, cannot
@@ -49,7 +51,8 @@ class NaNGuard(Callback):
             raise NonFiniteLossError(self._message(trainer))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False)
+        if logs_this_step(trainer) or self.consecutive:  # a skip shows at once (callback_metrics, progress bar)
+            pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False)
 
     def _message(self, trainer: pl.Trainer) -> str:
         callback = trainer.checkpoint_callback
