@@ -7,7 +7,9 @@
 
 For every configuration the same N images are drawn (labels 0..9 in turn, same seeds): the FID is the
 "classifier FID" (`cfid@N`: the classifier's penultimate features, against the statistics of every MNIST
-image in --data-root, cached), the accuracy is how often the classifier reads the requested label.
+image in --data-root, cached), the accuracy is how often the classifier reads the requested label. The
+classifier KID (`ckid@N`) is unbiased in N, so it stays comparable where FID's small-sample bias (1024-d
+features) dominates.
 NFE counts network calls per image trajectory; with guidance each call runs the conditional and the
 unconditional half in one doubled batch. images/s is measured side by side in this one run (GPU: synchronised).
 Prints a table, writes JSON under benchmarks/results/ and a section of docs/benchmarks.md.
@@ -85,15 +87,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"### Samplers on MNIST ({meta['num_samples']} samples, {meta['machine']}, torch {meta['torch']}, "
         f"commit {meta['commit']})",
         "",
-        f"| sampler | NFE | guidance | cfid@{tag} | accuracy | images/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| sampler | NFE | guidance | cfid@{tag} | ckid@{tag} (x1e3) | accuracy | images/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         acc = f"{r['accuracy']:.3f}" if r["accuracy"] is not None else "-"
         lines.append(
-            f"| {r['config']} | {r['nfe']} | {r['guidance']:g} | {r['cfid']:.3f} | {acc} | {r['images_per_s']:.1f} |"
+            f"| {r['config']} | {r['nfe']} | {r['guidance']:g} | {r['cfid']:.3f} | {1e3 * r['ckid']:.2f} "
+            f"± {1e3 * r['ckid_std']:.2f} | {acc} | {r['images_per_s']:.1f} |"
         )
-    lines += ["", f"`{meta['command']}`; cfid: classifier FID against the statistics of {meta['reference']}.", ""]
+    lines += [
+        "",
+        f"`{meta['command']}`; cfid: classifier FID against the statistics of {meta['reference']}; "
+        "ckid: classifier KID (unbiased, so comparable across sample counts), mean ± std over subsets.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -166,22 +174,24 @@ def main() -> None:
              image_shape=(net.in_channels, net.image_size, net.image_size), num_samples=min(args.batch_size, 64),
              labels=None, null_class=net.num_classes, device=device)  # fmt: skip
     rows = []
-    print(f"{'sampler':10}{'NFE':>6}{'w':>5}{'cfid':>10}{'accuracy':>10}{'images/s':>10}")
+    print(f"{'sampler':10}{'NFE':>6}{'w':>5}{'cfid':>10}{'ckid':>10}{'accuracy':>10}{'images/s':>10}")
     for name in args.configs.split(","):
         cls, kwargs = CONFIGS[name]
         for guidance in guidances:
             run = measure(loaded, cls(**kwargs), guidance, args, device)
             out = run["out"]
             features, logits = extractor(out.images)
-            values = compute_metrics(["fid"], features=features, logits=logits, reference=reference,
+            values = compute_metrics(["fid", "kid"], features=features, logits=logits, reference=reference,
                                      kind="classifier", labels=out.labels)  # fmt: skip
             tag = count_tag(len(out.images))
             row = {"config": name, "sampler": cls.__name__, **{k: v for k, v in kwargs.items()}, "nfe": out.nfe,
-                   "guidance": guidance, "cfid": values[f"cfid@{tag}"], "accuracy": values.get(f"accuracy@{tag}"),
+                   "guidance": guidance, "cfid": values[f"cfid@{tag}"], "ckid": values[f"ckid@{tag}"],
+                   "ckid_std": values[f"ckid_std@{tag}"], "accuracy": values.get(f"accuracy@{tag}"),
                    "images_per_s": len(out.images) / run["seconds"], "seconds": run["seconds"]}  # fmt: skip
             rows.append(row)
             acc = f"{row['accuracy']:.3f}" if row["accuracy"] is not None else "-"
-            print(f"{name:10}{out.nfe:>6}{guidance:>5g}{row['cfid']:>10.3f}{acc:>10}{row['images_per_s']:>10.1f}")
+            print(f"{name:10}{out.nfe:>6}{guidance:>5g}{row['cfid']:>10.3f}{row['ckid']:>10.5f}{acc:>10}"
+                  f"{row['images_per_s']:>10.1f}")  # fmt: skip
     meta = {
         "num_samples": args.num_samples, "batch_size": args.batch_size, "seed": args.seed, "ckpt": str(args.ckpt),
         "reference": f"{reference.num} MNIST images in {args.data_root}", "machine": machine(device),
