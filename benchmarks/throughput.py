@@ -66,8 +66,6 @@ PEAK_FLOPS = {  # dense tensor-core peaks (SXM), FLOP/s; by a substring of torch
     "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
 }
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (all threads)
-CLOCK = [time.perf_counter]  # the clock every row is timed with (--clock)
 
 
 @dataclass(frozen=True)
@@ -165,13 +163,13 @@ def bare_step(row: Row, net: nn.Module, diffusion: GaussianDiffusion, batches: I
     memory_format = torch.channels_last if row.channels_last else torch.contiguous_format
 
     def step() -> float:
-        start = CLOCK[0]()
+        start = time.perf_counter()
         images, labels = next(batches)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         x0 = dm.on_after_batch_transfer((images, labels), 0)[0] if dm else scale_to_unit(images)
         x0 = x0.contiguous(memory_format=memory_format)
         sync(device)
-        fetched = CLOCK[0]()
+        fetched = time.perf_counter()
         y = diffusion.drop_labels(labels, net.num_classes) if net.num_classes is not None else None
         t = diffusion.sample_timesteps(x0.shape[0], device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -194,10 +192,10 @@ def bare_run(row: Row, step: Callable[[], float], *, steps: int, warmup: int) ->
     total = wait = 0.0
     with nullcontext() if row.fused_attention else sdpa_kernel(SDPBackend.MATH):
         for i in range(warmup + steps):
-            start = CLOCK[0]()
+            start = time.perf_counter()
             fetch = step()
             if i >= warmup:
-                total += CLOCK[0]() - start
+                total += time.perf_counter() - start
                 wait += fetch
     return {"step_s": total / steps, "wait_s": wait / steps}
 
@@ -214,15 +212,15 @@ class StepTimer(pl.Callback):
         self.starts, self.ends, self.resumed, self.bare = [], [], [], []  # per batch; bare: the twin's step time
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.starts.append(CLOCK[0]())
+        self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, *args: Any) -> None:
         sync(self.device)
-        self.ends.append(CLOCK[0]())
+        self.ends.append(time.perf_counter())
         self.resumed.append(self.ends[-1])  # when the next Lightning span starts
         if self.interleave is not None:
             self.interleave()
-            self.resumed[-1] = CLOCK[0]()
+            self.resumed[-1] = time.perf_counter()
             self.bare.append(self.resumed[-1] - self.ends[-1])
 
 
@@ -253,12 +251,12 @@ def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup:
 def data_run(dm: RAMDataModule, *, steps: int, warmup: int, device: torch.device) -> dict[str, float]:
     batches, total = endless(dm.train_dataloader()), 0.0
     for step in range(warmup + steps):
-        start = CLOCK[0]()
+        start = time.perf_counter()
         images, labels = next(batches)
         dm.on_after_batch_transfer((images.to(device), labels.to(device)), 0)
         sync(device)
         if step >= warmup:
-            total += CLOCK[0]() - start
+            total += time.perf_counter() - start
     return {"step_s": total / steps, "wait_s": total / steps}
 
 
@@ -358,13 +356,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """Lightning overhead as the median of per-repeat ratios (each pair measured back to back); the data rate."""
     summary: dict[str, Any] = {}
     if "same_bare_fp32" in runs and "same_lightning_fp32" in runs:
-        pairs = list(zip(runs["same_bare_fp32"], runs["same_lightning_fp32"], strict=True))
+        pairs = zip(runs["same_bare_fp32"], runs["same_lightning_fp32"], strict=True)
         overheads = sorted(bare["images_per_s"] / light["images_per_s"] - 1 for bare, light in pairs)
         summary["lightning_overhead"] = statistics.median(overheads)
         summary["lightning_overhead_per_repeat"] = overheads
-        # The same in ms per step: Lightning's per-step cost is a constant (hooks, logging), so a tiny model
-        # (--batch-size 1) measures it with little noise, and it bounds the relative overhead of bigger ones.
-        summary["lightning_overhead_ms"] = statistics.median(lt["ms_per_step"] - b["ms_per_step"] for b, lt in pairs)
         summary["lightning_overhead_within_5pct"] = summary["lightning_overhead"] <= 0.05
     if "paired_fp32" in runs:
         paired = sorted(r["paired_overhead"] for r in runs["paired_fp32"])
@@ -408,7 +403,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--images", type=int, default=4096, help="images in the dataset (digits, repeated)")
     parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall: elapsed; cpu: process CPU time")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput_<model>_<dev>)")
@@ -419,7 +413,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be >= 1")
-    CLOCK[0] = CLOCKS[args.clock]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
