@@ -37,7 +37,7 @@ def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 at full speed: CUDA with bf16 support (Ampere+), or a CPU that oneDNN
     runs bf16 on natively (AVX512-BF16 / AMX; AVX512 core at least). False on AVX2-only CPUs."""
     if device == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)  # no driver: False
     if device == "cpu":
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return False
@@ -50,7 +50,8 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
     device = run_device(accelerator)
     if name == "auto":
         return "bf16-mixed" if native_bf16(device) else "32-true"
-    if name.startswith("bf16") and device in {"cpu", "cuda"} and not native_bf16(device):
+    present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later
+    if name.startswith("bf16") and present and not native_bf16(device):
         detail = torch.backends.cpu.get_cpu_capability() if device == "cpu" else torch.cuda.get_device_name()
         warnings.warn(SLOW_BF16_WARNING.format(precision=name, device=device, detail=detail), UserWarning, stacklevel=2)
     return name

@@ -8,15 +8,15 @@ own folder excluded). The resumed run writes into its own (new) run directory, w
 """
 
 import inspect
-import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from ddpm.checkpoint import CheckpointError, load_checkpoint, run_config
 
@@ -101,32 +101,41 @@ def check_resume(path: Path, config: Mapping[str, Any], output_dir: Path) -> dic
 
 # --- config types, checked against the constructors' annotations before any work is done --------------
 
+_STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)  # "64" is not an int, 1.5 is not an int
+_ADAPTERS: dict[str, TypeAdapter | None] = {}
 
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether a YAML value fits a type hint; lenient (True) for hints it does not understand."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or isinstance(hint, typing.TypeVar):
+
+def _adapter(hint: Any) -> TypeAdapter | None:
+    """pydantic's strict validator for `hint`, or None where pydantic cannot describe it (left unchecked)."""
+    key = repr(hint)
+    if key not in _ADAPTERS:
+        try:
+            _ADAPTERS[key] = TypeAdapter(hint, config=_STRICT)
+        except Exception:  # an unresolvable forward reference or an exotic class: that key is not checked
+            _ADAPTERS[key] = None
+    return _ADAPTERS[key]
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """Whether a YAML value, as Hydra hands it to a constructor, fits the constructor's type hint.
+
+    pydantic validates strictly (Literal, Union, Optional, nested containers, no "64" -> 64 coercion);
+    a YAML list also stands for a tuple and a string for a path, which is how Hydra passes them."""
+    adapter = _adapter(hint)
+    if adapter is None:
         return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if origin is Literal:
-        return value in args
-    if hint is type(None) or hint is None:
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (tuple, list, Sequence) or hint in (tuple, list):
-        if not isinstance(value, list | tuple):
-            return False
-        inner = [a for a in args if a is not Ellipsis]
-        return len(inner) != 1 or all(_matches(v, inner[0]) for v in value)
-    return True
+    candidates = [value, _as_tuples(value)] + ([Path(value)] if isinstance(value, str) else [])
+    for candidate in candidates:
+        try:
+            adapter.validate_python(candidate)
+            return True
+        except ValidationError:
+            continue
+    return False
 
 
 def _hints(target: str) -> dict[str, Any]:
@@ -148,10 +157,16 @@ def config_type_errors(config: Mapping[str, Any], prefix: str = "") -> list[str]
     for key, value in config.items():
         if isinstance(value, Mapping):
             errors += config_type_errors(value, f"{prefix}{key}.")
-        elif key in hints and not _matches(value, hints[key]):
-            expected = getattr(hints[key], "__name__", None) or str(hints[key]).replace("typing.", "")
+        elif key in hints and not matches(value, hints[key]):
+            expected = _describe(hints[key])
             errors.append(f"{prefix}{key}={value!r} is not {expected}")
     return errors
+
+
+def _describe(hint: Any) -> str:
+    """A readable form of a hint: `Literal['eps', 'v']`, `int | None`, Lightning's precision values spelled out."""
+    text = str(hint) if typing.get_origin(hint) is not None else getattr(hint, "__name__", str(hint))
+    return text.replace("typing.", "").replace("NoneType", "None")
 
 
 def check_config_types(config: Mapping[str, Any]) -> None:

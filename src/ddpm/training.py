@@ -37,18 +37,30 @@ def slurm_plugins(cfg: DictConfig) -> list[Any]:
     return [SLURMEnvironment(auto_requeue=True)]
 
 
+def resolve_config(cfg: DictConfig) -> dict[str, Any]:
+    """The run's config as plain data, with every `auto` the project decides already decided
+    (trainer.precision: bf16-mixed or 32-true for this device); its types checked against the constructors."""
+    resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    trainer = resolved.get("trainer") or {}
+    if "precision" in trainer:
+        trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
+    check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
+    return resolved
+
+
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
+    resolve_config(cfg)  # fail fast, before the LR range test too
     if cfg.get("tune") is not None and not run_tuning(cfg):
         return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
-    resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    resolved = resolve_config(cfg)  # again: tune.apply may have set optim.lr
+    precision = resolved.get("trainer", {}).get("precision")
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
-    check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
     if ckpt_path is not None:
         check_resume(ckpt_path, resolved, output_dir)  # safe load, refuses breaking config changes
@@ -58,7 +70,6 @@ def train(cfg: DictConfig) -> float | None:
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved)
     ema, callbacks = build_callbacks(cfg)
-    precision = resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator"))  # auto -> bf16/32
     configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
     trainer: pl.Trainer = instantiate(
         cfg.trainer,

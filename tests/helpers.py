@@ -1,0 +1,119 @@
+"""What every test shares: one subprocess runner, one compose helper, one tiny UNet.
+
+- `run(*argv, ...)` runs a command from the repository root as a user would (`python train.py ...`,
+  `python -m ddpm.export ...`), with one environment for every test: one OpenMP thread (tests run
+  beside each other on 2 cores), W&B offline with its folders under a temp dir, full Hydra errors.
+- `compose(name, overrides)` composes `conf/<name>.yaml` exactly as `train.py` / `sample.py` would.
+- `tiny_unet(**changes)` and `TINY_UNET` are the one small network the unit tests build.
+- `TINY_RUN` are the overrides of a seconds-long `train.py` run on the default (digits) experiment.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+PYTHON = sys.executable
+_WANDB_HOME = Path(tempfile.gettempdir()) / "ddpm-tests-wandb"
+
+ENV = {
+    "OMP_NUM_THREADS": "1",  # 2 cores shared by the suite; also keeps forked writers out of OpenMP
+    "HYDRA_FULL_ERROR": "1",
+    "WANDB_MODE": "offline",  # no default command may reach W&B's login prompt
+    "WANDB_SILENT": "true",
+    **{f"WANDB_{k}": str(_WANDB_HOME / k.lower()) for k in ("DIR", "CACHE_DIR", "CONFIG_DIR", "DATA_DIR")},
+    "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+}
+
+TINY_UNET: dict[str, Any] = dict(
+    in_channels=1,
+    image_size=8,
+    base_channels=16,
+    channel_mult=(1, 2),
+    num_res_blocks=1,
+    attention_resolutions=(4,),
+    num_heads=2,
+    dropout=0.0,
+    norm_groups=4,
+)
+
+TINY_RUN = [
+    "data.limit=256",
+    "data.batch_size=32",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+    "callbacks.checkpoint.every_n_train_steps=3",
+    "callbacks.sample_grid.every_n_steps=6",
+    "callbacks.sample_grid.num_samples=4",
+    "callbacks.sample_grid.sampler.steps=4",
+]
+
+
+def tiny_unet(**changes: Any):
+    """The tests' small UNet (1x8x8, 2 levels, attention at 4x4), with `changes` applied."""
+    from ddpm.models.unet import UNet
+
+    return UNet(**(TINY_UNET | changes))
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The subprocess environment of every test, with `extra` set on top."""
+    return {**os.environ, **ENV, **extra}
+
+
+def run(
+    *argv: str | Path,
+    cwd: Path = REPO,
+    check: bool = True,
+    timeout: float = 300,
+    extra_env: dict[str, str] | None = None,
+    shell: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` (`"python"` becomes this interpreter) from `cwd`; on failure raise with the output's tail.
+
+    With shell=True, argv is one command line run by bash, as a user would type it."""
+    if shell:
+        (line,) = argv
+        command: Sequence[str] | str = str(line)
+    else:
+        command = [PYTHON if str(a) == "python" else str(a) for a in argv]
+    result = subprocess.run(
+        command,
+        cwd=cwd,
+        env=env(**(extra_env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        shell=shell,
+        executable="/bin/bash" if shell else None,
+    )
+    if check and result.returncode != 0:
+        shown = command if shell else " ".join(command[:4])
+        raise AssertionError(f"{shown} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+def train(*overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python train.py *overrides` (give hydra.run.dir=... to keep the run out of outputs/)."""
+    return run("python", "train.py", *overrides, check=check, timeout=timeout)
+
+
+def sample(*overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python sample.py *overrides` (give output_dir=...)."""
+    return run("python", "sample.py", *overrides, check=check, timeout=timeout)
+
+
+def compose(name: str = "train", overrides: Sequence[str] = (), *, return_hydra_config: bool = False) -> DictConfig:
+    """conf/<name>.yaml composed with `overrides`, as the entry point would (give paths.output_dir=...)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(name, overrides=list(overrides), return_hydra_config=return_hydra_config)
