@@ -99,7 +99,20 @@ def test_kid_matches_an_independent_unbiased_mmd() -> None:
     assert mean == pytest.approx(numpy_kid(real.numpy(), fake.numpy()), rel=1e-9)
     # Several random subsets: torchmetrics draws them; seeded here, so the same call gives the same value.
     runs = [kernel_distance(FeatureStats.of(real), fake, subsets=5, subset_size=50, seed=3) for _ in range(2)]
-    assert runs[0] == runs[1] and runs[0][0] > 0
+    assert runs[0] == runs[1]
+    # The same subsets, drawn as torchmetrics draws them (per subset: randperm of the real rows, then of the fake
+    # rows, from the global RNG seeded with `seed`), each scored by the independent MMD^2: mean and (biased) std.
+    generator = torch.Generator().manual_seed(3)
+    scores = []
+    for _ in range(5):
+        rows_real, rows_fake = (
+            torch.randperm(120, generator=generator)[:50],
+            torch.randperm(120, generator=generator)[:50],
+        )
+        scores.append(numpy_kid(real[rows_real].numpy(), fake[rows_fake].numpy()))
+    assert runs[0][0] == pytest.approx(float(np.mean(scores)), rel=1e-9)
+    assert runs[0][1] == pytest.approx(float(np.std(scores)), rel=1e-9)
+    assert len(set(scores)) == 5  # five different subsets, not one subset five times
 
 
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one split: no spread
@@ -114,12 +127,13 @@ def test_inception_score_of_confident_uniform_predictions_is_the_class_count() -
 def test_metric_names_carry_the_sample_count_and_the_feature_kind() -> None:
     assert [count_tag(n) for n in (500, 1000, 10_000, 50_000, 1500)] == ["500", "1k", "10k", "50k", "1500"]
     real = torch.randn(300, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    logits = torch.randn(200, 10, dtype=torch.float64)
+    logits = torch.randn(200, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     labels = logits.argmax(1)
+    labels[::4] = (labels[::4] + 1) % 10  # every 4th label disagrees with the prediction: accuracy 150/200
     out = compute_metrics(["fid", "kid", "is"], features=real[:200], logits=logits, reference=FeatureStats.of(real),
                           kind="classifier", labels=labels)  # fmt: skip
     assert set(out) == {"cfid@200", "ckid@200", "ckid_std@200", "cis@200", "cis_std@200", "accuracy@200"}
-    assert out["accuracy@200"] == 1.0
+    assert out["accuracy@200"] == 0.75
     with pytest.raises(ValueError, match="choose from"):
         compute_metrics(["fld"], features=real, logits=None, reference=FeatureStats.of(real))
 
@@ -132,17 +146,42 @@ class MeanPool(nn.Module):
         return torch.nn.functional.adaptive_avg_pool2d(x, 2).flatten(1)
 
 
-def test_reference_stats_are_cached_per_dataset_resolution_and_extractor(tmp_path: Path) -> None:
-    """Second call reads the file; another size or extractor is another file; a stale key is recomputed."""
-    extractor = FeatureExtractor(net=MeanPool(), name="meanpool", kind="classifier")
+class CountingPool(MeanPool):
+    """MeanPool that counts its calls, and raises while `armed` (a path that must not extract features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.armed = 0, False
+
+    def forward(self, images: Tensor) -> Tensor:
+        if self.armed:
+            raise AssertionError("the feature extractor ran on a path that must read the cache")
+        self.calls += 1
+        return super().forward(images)
+
+
+def test_reference_stats_are_cached_per_dataset_resolution_and_extractor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second call reads the file (neither the data nor the extractor is touched); another size or extractor is
+    another file; a stale key is recomputed."""
+    net = CountingPool()
+    extractor = FeatureExtractor(net=net, name="meanpool", kind="classifier")
     source = DigitsSource()
     first = reference_stats(source, image_size=8, channels=1, extractor=extractor, cache_dir=tmp_path)
-    assert first.num == 1797  # the whole split
+    assert first.num == 1797 and net.calls > 0  # the whole split, through the extractor
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].name.startswith("digits-all-8px-meanpool-")
-    again = reference_stats(source, image_size=8, channels=1, extractor=extractor, cache_dir=tmp_path)
-    torch.testing.assert_close(again.cov_sum, first.cov_sum)
+    net.armed = True
+    with monkeypatch.context() as patch:
+        patch.setattr(DigitsSource, "load", lambda *a, **k: pytest.fail("the cached path read the data source"))
+        again = reference_stats(source, image_size=8, channels=1, extractor=extractor, cache_dir=tmp_path)
+    assert again.num == first.num and torch.equal(again.features_sum, first.features_sum)
+    assert torch.equal(again.cov_sum, first.cov_sum) and torch.equal(again.kid_features, first.kid_features)
+    net.armed = False
+    calls = net.calls
     reference_stats(source, image_size=16, channels=1, extractor=extractor, cache_dir=tmp_path)
+    assert net.calls > calls  # another size: computed, not read
     other = FeatureExtractor(net=MeanPool(), name="other", kind="classifier")
     reference_stats(source, image_size=8, channels=1, extractor=other, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 3
@@ -152,7 +191,9 @@ def test_reference_stats_are_cached_per_dataset_resolution_and_extractor(tmp_pat
     # A file whose stored key disagrees (e.g. written by an older format) is recomputed, not trusted.
     stored = torch.load(files[0], weights_only=True)
     torch.save({**stored, "key": {**key, "format": -1}, "num": 5}, files[0])
+    calls = net.calls
     assert reference_stats(source, image_size=8, channels=1, extractor=extractor, cache_dir=tmp_path).num == 1797
+    assert net.calls > calls
 
 
 def test_missing_inception_weights_fail_with_the_file_the_folder_and_the_url(
