@@ -20,6 +20,15 @@ SLOW_BF16_WARNING = (
 )
 
 
+TRUE_HALF = {"bf16-true", "16-true"}
+TRUE_HALF_ERROR = (
+    "trainer.precision={precision} casts the whole module to {dtype}, the diffusion schedule's buffers included: "
+    "alpha_bar rounds to exactly 1 for the first timesteps (t < 10 with the linear schedule in bf16), so those "
+    "steps train on images without noise, and the weights lose the small Adam updates. Use "
+    "trainer.precision={mixed} ({dtype} compute, float32 weights and schedule) or 32-true"
+)
+
+
 def tf32_capable() -> bool:
     """True on CUDA devices of compute capability >= 8.0 (Ampere and newer), which have TF32 tensor cores."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
@@ -48,6 +57,9 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
     native bf16 and 32-true elsewhere; any other value passes through (warning if bf16 would be slow)."""
     name = str(precision)
     device = run_device(accelerator)
+    if name in TRUE_HALF:
+        dtype, mixed = ("bfloat16", "bf16-mixed") if name.startswith("bf16") else ("float16", "16-mixed")
+        raise ValueError(TRUE_HALF_ERROR.format(precision=name, dtype=dtype, mixed=mixed))
     if name == "auto":
         return "bf16-mixed" if native_bf16(device) else "32-true"
     present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later

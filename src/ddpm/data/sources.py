@@ -307,12 +307,27 @@ class ImageFolderSource:
         for i, (path, _) in enumerate(files):
             try:
                 with Image.open(path) as image:
-                    images[i] = _centre_crop(image.convert(mode), image_size)
+                    images[i] = _centre_crop(to_mode(image, mode), image_size)
             except (UnidentifiedImageError, OSError) as error:
                 raise ValueError(f"{path} is not a readable image ({error}); remove or replace it") from error
         labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
         num_classes = len({label for _, label in files}) if self.conditional else None
         return ImageSet(images=images, labels=labels.long(), num_classes=num_classes)
+
+
+def to_mode(image, mode: str):
+    """A PIL image of any mode as `mode` ("L" or "RGB"): transparency (RGBA, LA, PA, palette with a transparent
+    index) is composited onto white, 16/32-bit grey (I;16, I) scaled from 0..65535 to 0..255, palettes expanded;
+    RGB -> L is ITU-R 601-2 luma (PIL's)."""
+    from PIL import Image
+
+    if image.mode.startswith("I"):  # 16-bit greyscale PNG/TIFF: keep the range, not the low byte
+        scaled = np.asarray(image, dtype=np.float64) * (255 / 65535)
+        image = Image.fromarray(np.clip(np.round(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return image.convert(mode)
 
 
 def _centre_crop(image, size: int) -> Tensor:

@@ -64,4 +64,18 @@ def make_betas(schedule: str, num_timesteps: int) -> Tensor:
         raise ValueError(f"diffusion.schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
     if num_timesteps < 1:
         raise ValueError(f"diffusion.num_timesteps={num_timesteps} must be >= 1 (1000 is the usual value)")
-    return SCHEDULES[schedule](num_timesteps)
+    betas = SCHEDULES[schedule](num_timesteps)
+    if not valid_betas(betas):
+        smallest = next((t for t in range(num_timesteps + 1, 100_001) if valid_betas(SCHEDULES[schedule](t))), None)
+        raise ValueError(
+            f"diffusion.schedule={schedule} with diffusion.num_timesteps={num_timesteps} gives betas in "
+            f"[{betas.min().item():.3g}, {betas.max().item():.3g}], not inside (0, 1): alpha_bar would reach 0 or go "
+            f"negative and the loss NaN. Use diffusion.num_timesteps>={smallest} (the smallest T that works) or "
+            "diffusion.schedule=cosine"
+        )
+    return betas
+
+
+def valid_betas(betas: Tensor) -> bool:
+    """Every beta in (0, 1), so that alpha_bar_t stays in (0, 1] and decreases."""
+    return bool(((betas > 0) & (betas < 1)).all())
