@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_unet
 from PIL import Image
 
 from ddpm.data import ram
@@ -276,6 +277,27 @@ def test_image_folder_grey_and_unconditional(tmp_path: Path, image_folder) -> No
     assert (data.images[0].int() - expected).abs().max() <= 1
 
 
+def test_image_folder_mixed_sizes_and_modes_become_data_channels(tmp_path: Path) -> None:
+    """Grey (L), RGB and palette (P) files of different sizes in one folder: each is centre-cropped and resized
+    to image_size, and converted to the requested channels (grey v -> (v, v, v); colour -> its luma)."""
+    root = tmp_path / "mixed" / "cls"
+    root.mkdir(parents=True)
+    Image.new("L", (20, 12), 90).save(root / "a_grey.png")
+    Image.new("RGB", (8, 30), (200, 40, 10)).save(root / "b_rgb.png")
+    palette = Image.new("P", (16, 16), 0)
+    palette.putpalette([0, 100, 250] + [0] * 765)
+    palette.save(root / "c_palette.png")
+    rgb = ImageFolderSource(root=str(tmp_path / "mixed")).load(image_size=8, channels=3)
+    assert rgb.images.shape == (3, 3, 8, 8) and rgb.images.dtype == torch.uint8
+    for i, colour in enumerate([(90, 90, 90), (200, 40, 10), (0, 100, 250)]):
+        assert rgb.images[i].flatten(1).unique(dim=1).T.tolist() == [list(colour)]  # flat: crop/resize keep it
+    grey = ImageFolderSource(root=str(tmp_path / "mixed")).load(image_size=8, channels=1)
+    assert grey.images.shape == (3, 1, 8, 8)
+    luma = [90, round(0.299 * 200 + 0.587 * 40 + 0.114 * 10), round(0.587 * 100 + 0.114 * 250)]
+    for i, value in enumerate(luma):
+        assert (grey.images[i].int() - value).abs().max() <= 1
+
+
 def test_image_folder_empty_or_unreadable_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"data\.root=.*empty"):
@@ -402,7 +424,9 @@ def test_batch_size_larger_than_train_set_names_data_batch_size() -> None:
 def test_ram_estimate_over_budget_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ram, "available_ram_bytes", lambda: 1000)
     dm = RAMDataModule(source=RowSource(), image_size=4, channels=1, batch_size=8)
-    with pytest.raises(MemoryError, match=r"data\.image_size.*data\.limit"):
+    with pytest.raises(
+        MemoryError, match=r"preloading 100 images.*data\.max_ram_fraction=0\.5 .*data\.image_size.*data\.limit"
+    ):
         dm.setup("fit")
     assert dm.data is None
     # 100 images x 1 x 4 x 4 = 1600 bytes: fits once the budget allows it
@@ -435,8 +459,7 @@ def test_worker_loader_matches_in_process_loader() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_net() -> UNet:
-    return UNet(in_channels=1, image_size=16, base_channels=32, channel_mult=(1, 2), num_res_blocks=1,
-                attention_resolutions=(8,), dropout=0.0, norm_groups=8, num_classes=10)  # fmt: skip
+    return tiny_unet(image_size=16, base_channels=32, attention_resolutions=(8,), norm_groups=8, num_classes=10)
 
 
 def test_check_batch_accepts_a_scaled_batch(tiny_net: UNet) -> None:
@@ -460,3 +483,10 @@ def test_check_batch_accepts_a_scaled_batch(tiny_net: UNet) -> None:
 def test_check_batch_rejects_with_the_key_to_change(tiny_net: UNet, images, labels, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         check_batch((images, torch.tensor(labels)), tiny_net)
+
+
+def test_check_batch_rejects_grey_data_for_an_rgb_model() -> None:
+    net = tiny_unet(in_channels=3, num_classes=10)  # 8x8
+    check_batch((torch.zeros(2, 3, 8, 8), torch.tensor([0, 1])), net)  # RGB is fine
+    with pytest.raises(ValueError, match=r"model\.in_channels=3"):
+        check_batch((torch.zeros(2, 1, 8, 8), torch.tensor([0, 1])), net)

@@ -4,17 +4,22 @@ The table in docs/reliability.md points at these tests (and at the older ones in
 the rest of the bad inputs).
 """
 
+import functools
 import os
 import random
+import re
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
@@ -26,11 +31,13 @@ from ddpm.callbacks.nan_guard import NaNGuard, NonFiniteLossError
 from ddpm.callbacks.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from ddpm.checkpoint import CheckpointError, load_checkpoint
 from ddpm.checkpoint_io import AtomicCheckpointIO, NonFiniteCheckpointError
+from ddpm.data.ram import RAMDataModule
+from ddpm.data.webdataset import WebDataModule
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.models.unet import UNet
+from ddpm.module import DiffusionModule
 from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
 from ddpm.training import slurm_plugins, train
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
 
 # --- atomic checkpoints: kill -9 while writing ------------------------------------------------------------
 
@@ -88,7 +95,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(OSError, match=r"could not write checkpoint .*last.ckpt.*No space left.*previous checkpoints"):
+    named = r"could not write checkpoint .*last.ckpt.*No space left.*previous checkpoints.*Free disk space"
+    with pytest.raises(OSError, match=named + r".*callbacks\.checkpoint\.dirpath.*ckpt_path=last"):
         io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
@@ -146,14 +154,37 @@ def fit(tmp_path: Path, module: Toy, callbacks: list, max_steps: int = 8, **kwar
     return trainer
 
 
+def adam_state(module: Toy) -> dict[str, dict[str, torch.Tensor]]:
+    """A copy of the optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step), by parameter name."""
+    optimizer = module.trainer.optimizers[0]
+    return {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in module.named_parameters()
+            if p in optimizer.state}  # fmt: skip
+
+
 def test_nan_steps_are_skipped_and_counted(tmp_path: Path) -> None:
-    """NaN loss at batches 3 and 4: those two updates are skipped, the weights stay finite, the count is logged."""
+    """NaN loss at batches 3 and 4: those two updates are skipped (weights and Adam moments untouched), the weights
+    stay finite, the count is logged."""
     weights: list[torch.Tensor] = []
-    module = Toy(nan_batches=(3, 4), hook=lambda m, i: weights.append(m.net.weight.detach().clone()))
+    moments: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    def record(module: Toy, batch_idx: int) -> None:  # before each batch: the state the previous steps left
+        weights.append(module.net.weight.detach().clone())
+        moments.append(adam_state(module))
+
+    module = Toy(nan_batches=(3, 4), hook=record)
     guard = NaNGuard(max_consecutive=3)
     trainer = fit(tmp_path, module, [guard])
     assert guard.skipped == 2 and guard.consecutive == 0
     assert trainer.callback_metrics["train/skipped_steps"] == 2
+    # Adam's moments and step count: as batch 2's update left them, through the skipped batches 3 and 4.
+    assert set(moments[3]) == {"net.weight", "net.bias"}
+    for name, state in moments[3].items():
+        assert set(state) == {"exp_avg", "exp_avg_sq", "step"} and float(state["step"]) == 3  # batches 0, 1, 2
+        for later in (moments[4], moments[5]):
+            for key, value in state.items():
+                assert torch.equal(later[name][key], value), f"{name}.{key} changed on a skipped step"
+        assert not torch.equal(moments[2][name]["exp_avg"], state["exp_avg"])  # a normal step does move them
+    assert float(moments[6]["net.weight"]["step"]) == 4  # batch 5 updated again
     assert torch.equal(weights[3], weights[4]) and torch.equal(weights[4], weights[5])  # no update from 3 or 4
     assert not torch.equal(weights[2], weights[3])  # the others did update
     assert all(p.isfinite().all() for p in module.parameters())
@@ -164,7 +195,10 @@ def test_nan_steps_in_a_row_stop_with_the_step_causes_and_last_checkpoint(tmp_pa
         fit(tmp_path, Toy(nan_batches=(4, 5, 6)), [NaNGuard(max_consecutive=3)])
     message = str(info.value)
     assert "3 optimizer steps in a row, up to step 7" in message
-    assert "optim.lr" in message and "fp16" in message and "last.ckpt" in message
+    assert "optim.lr" in message and "fp16" in message
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"Last good checkpoint: {last}" in message
+    assert torch.load(last, weights_only=True)["global_step"] == 6  # the last save: steps 5-6 were skipped, finite
     for path in (tmp_path / "checkpoints").glob("*.ckpt"):  # nothing non-finite reached the disk
         assert all(v.isfinite().all() for v in torch.load(path, weights_only=True)["state_dict"].values())
 
@@ -184,6 +218,38 @@ def test_signal_saves_at_the_next_step_boundary_and_exits_143(tmp_path: Path, si
     assert info.value.path == tmp_path / "checkpoints" / "last.ckpt"
     assert checkpoint["global_step"] == (5 if accumulate == 1 else 3)  # after batch 4; after batches 4-5
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # handlers are given back
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_real_train_py_run_with_143_and_a_loadable_last_ckpt(tmp_path: Path) -> None:
+    """`python train.py` (a long tiny run) gets SIGTERM once training is under way: it exits 143 (EXIT_PREEMPTED),
+    leaving checkpoints/last.ckpt, written by the preemption callback at the step it reports, loadable safely."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    argv = [helpers.PYTHON, "train.py", *helpers.TINY_RUN, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"]
+    started = run_dir / "checkpoints" / "step_0000003.ckpt"  # written after step 3: training is under way
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while not started.exists() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert started.exists(), f"training did not start:\n{log.read_text()[-3000:]}"
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    output = log.read_text()
+    assert code == EXIT_PREEMPTED == 143, output[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] >= 3 and checkpoint["state_dict"] and "ema_state_dict" in checkpoint
+    report = re.search(r"Received SIGTERM: saved (\S+) at step (\d+); exiting with 143", output)
+    assert report, output[-3000:]
+    assert Path(report[1]) == last and int(report[2]) == checkpoint["global_step"]  # the preemption's save
+    steps = [int(p.stem.split("_")[1]) for p in last.parent.glob("step_*.ckpt")]
+    assert checkpoint["global_step"] >= max(steps)
 
 
 def test_slurm_requeue_plugin_only_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,16 +272,42 @@ def test_out_of_memory_on_the_first_step_says_what_to_lower(tmp_path: Path) -> N
         fit(tmp_path, Toy(hook=oom), [])
     message = str(info.value)
     assert "Tried to allocate 20.00 GiB" in message and "data.batch_size=512" in message
-    assert "bf16-mixed" in message and "activation checkpointing" in message
+    assert "trainer.precision=bf16-mixed (now 32-true)" in message and "activation checkpointing" in message
 
 
 # --- config: wrong types and values fail before any work; resume refuses breaking changes ---------------------
 
 
-def composed(tmp_path: Path, *overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"paths.output_dir={tmp_path}"])
-    return cfg
+def composed(tmp_path: Path, *overrides: str):
+    return helpers.compose("train", [*overrides, f"paths.output_dir={tmp_path}"])
+
+
+@pytest.fixture
+def constructed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Records every construction of a datamodule, the UNet, the diffusion or the Lightning module (by class name)."""
+    calls: list[str] = []
+
+    def recording(cls: type):
+        original = cls.__init__
+
+        @functools.wraps(original)  # keeps the annotations the config type check reads
+        def init(self, *args, **kwargs) -> None:
+            calls.append(cls.__name__)
+            original(self, *args, **kwargs)
+
+        return init
+
+    for cls in (RAMDataModule, WebDataModule, UNet, GaussianDiffusion, DiffusionModule):
+        monkeypatch.setattr(cls, "__init__", recording(cls))
+    yield calls
+
+
+def assert_recorder_works(tmp_path: Path, constructed: list[str]) -> None:
+    """The recorder sees what train() would build (hydra's instantiate goes through the patched __init__)."""
+    before = len(constructed)
+    cfg = composed(tmp_path)
+    instantiate(cfg.data), instantiate(cfg.model)
+    assert constructed[before:] == ["RAMDataModule", "UNet"]
 
 
 @pytest.mark.parametrize(
@@ -223,13 +315,27 @@ def composed(tmp_path: Path, *overrides: str) -> dict:
     [("data.batch_size=abc", "data.batch_size='abc' is not int"), ("ema.decay=[1]", "ema.decay=[1] is not float"),
      ("model.num_classes=ten", "model.num_classes='ten' is not"), ("trainer.max_steps=1.5", "trainer.max_steps=1.5")],
 )  # fmt: skip
-def test_wrong_config_type_fails_fast_naming_the_key(tmp_path: Path, override: str, named: str) -> None:
+def test_wrong_config_type_fails_fast_naming_the_key(
+    tmp_path: Path, override: str, named: str, constructed: list[str]
+) -> None:
     cfg = composed(tmp_path, override)
-    with pytest.raises(TypeError, match=named.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(TypeError, match=re.escape(named)):
         check_config_types(OmegaConf.to_container(cfg, resolve=True))
-    with pytest.raises(TypeError, match="config values of the wrong type"):
+    with pytest.raises(TypeError, match="config values of the wrong type") as info:
         train(cfg)  # train() checks before it reads data or builds the model
+    assert named in str(info.value)
+    assert constructed == [], f"built before the type check: {constructed}"
     assert not (tmp_path / "checkpoints").exists()
+    assert_recorder_works(tmp_path, constructed)
+
+
+def test_wrong_config_types_are_all_listed_at_once(tmp_path: Path, constructed: list[str]) -> None:
+    cfg = composed(tmp_path, "data.batch_size=abc", "ema.decay=[1]", "optim.lr=fast")
+    with pytest.raises(TypeError, match="config values of the wrong type") as info:
+        train(cfg)
+    for named in ("data.batch_size='abc' is not int", "ema.decay=[1] is not float", "optim.lr='fast' is not"):
+        assert named in str(info.value)
+    assert constructed == []
 
 
 def test_out_of_range_config_value_fails_naming_the_key(tmp_path: Path) -> None:
@@ -254,10 +360,22 @@ def test_resume_refuses_breaking_config_changes_listing_them(tmp_path: Path) -> 
     with pytest.raises(CheckpointError) as info:
         check_resume(path, changed, tmp_path / "new")
     message = str(info.value)
-    for line in ("model.base_channels: checkpoint 32, now 64", "model.num_classes: checkpoint None, now 10",
-                 "diffusion.num_timesteps: checkpoint 1000, now 500"):  # fmt: skip
+    lines = ("model.base_channels: checkpoint 32, now 64", "model.num_classes: checkpoint None, now 10",
+             "diffusion.num_timesteps: checkpoint 1000, now 500")  # fmt: skip
+    for line in lines:
         assert line in message
     assert not (tmp_path / "new" / "resume_diff.yaml").exists()
+
+
+def test_resume_with_breaking_changes_is_refused_before_data_or_model(tmp_path: Path, constructed: list[str]) -> None:
+    """Through train(): the refusal comes before any datamodule or model is built, listing every difference."""
+    path = fake_training_checkpoint(tmp_path / "last.ckpt", OmegaConf.to_container(composed(tmp_path), resolve=True))
+    changed = ("model.base_channels=64", "model.num_classes=10", "diffusion.num_timesteps=500")
+    with pytest.raises(CheckpointError, match="cannot resume") as info:
+        train(composed(tmp_path / "new", *changed, f"ckpt_path={path}"))
+    for key in ("model.base_channels", "model.num_classes", "diffusion.num_timesteps"):
+        assert key in str(info.value)
+    assert constructed == []
 
 
 def test_resume_allows_and_records_safe_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -278,12 +396,12 @@ def test_resume_from_damaged_or_wrong_files_is_a_clear_error(tmp_path: Path) -> 
     config = OmegaConf.to_container(composed(tmp_path), resolve=True)
     good = fake_training_checkpoint(tmp_path / "good.ckpt", config).read_bytes()
     (tmp_path / "torn.ckpt").write_bytes(good[: len(good) // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=r"torn\.ckpt.*truncated or corrupt.*use another checkpoint"):
         check_resume(tmp_path / "torn.ckpt", config, tmp_path)
     torch.save({CHECKPOINT_KEY: {}, "config": config}, tmp_path / "ema.pt")
-    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+    with pytest.raises(CheckpointError, match=r"ema\.pt.*not a training checkpoint.*resume from .*last\.ckpt"):
         check_resume(tmp_path / "ema.pt", config, tmp_path)
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match=r"nope\.ckpt.*does not exist.*pass ckpt="):
         check_resume(tmp_path / "nope.ckpt", config, tmp_path)
 
 
