@@ -22,7 +22,7 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
     ema = instantiate(cfg.ema)
     others = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    return ema, [ema, RNGState(), *others]  # RNGState snapshots before preemption/checkpoint saves
+    return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
 def build_loggers(cfg: DictConfig) -> list[Any] | bool:

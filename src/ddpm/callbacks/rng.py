@@ -5,8 +5,15 @@ generators. This callback snapshots them after each training batch, before check
 validation run, and puts the snapshot back (a) when validation ends, so evaluation and sample
 grids never shift the training streams, and (b) when a resumed run starts training, so step k+1
 after a resume draws exactly what it drew in an uninterrupted run.
+
+Every rank draws its own training randomness: when fitting starts, each process reseeds the global
+generators from (seed, global rank), as EDM does (Karras et al. 2022, training_loop.py), so the
+ranks of a DDP run draw different timesteps, noise, label drops and flips (with one device the seed
+is the run seed). The model was built before, from the run seed alone, so its weights agree on
+every rank; the data order comes from its own generator (data/sampler.py).
 """
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +25,18 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 RngState = dict[str, Any]
+
+
+def rank_seed(seed: int, rank: int, world_size: int) -> int:
+    """The seed of rank `rank`'s training randomness: seed * world_size + rank (EDM), in [0, 2**31)."""
+    return (seed * world_size + rank) % (1 << 31)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (CUDA included); PL_GLOBAL_SEED is left alone."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def collect() -> RngState:
@@ -41,11 +60,17 @@ def restore(states: RngState) -> None:
 
 
 class RNGState(Callback):
-    """Saves the per-rank RNG snapshot taken after the last training batch; restores it on resume."""
+    """Seeds each rank from (seed, rank); saves the per-rank RNG snapshot taken after the last training batch;
+    restores it on resume."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, seed: int | None = None) -> None:
+        self.seed = seed  # the run seed; None: the generators are left as they are (unseeded runs)
         self.snapshot: RngState | None = None  # after the last training batch of this process
         self.loaded: list[RngState | None] | None = None  # per rank, from a checkpoint, until training starts
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.seed is not None:  # a resumed run then restores its snapshot at train start
+            seed_all(rank_seed(self.seed, trainer.global_rank, trainer.world_size))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.snapshot = collect()
