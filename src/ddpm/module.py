@@ -4,6 +4,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import yaml
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from ddpm.callbacks.monitor import logs_this_step
@@ -96,6 +98,9 @@ class DiffusionModule(pl.LightningModule):
     def on_train_start(self) -> None:
         for logger in self.loggers:
             logger.log_metrics({"optim/lr_scaled": self.scaled_lr, "optim/global_batch": self.global_batch_size()})
+            if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:  # the run config, readable
+                text = yaml.safe_dump(self.hparams.get("config") or {}, sort_keys=False)
+                logger.experiment.add_text("config", f"```yaml\n{text}```", global_step=self.global_step)
 
 
 def check_batch(batch: Batch, net: UNet) -> None:
