@@ -1,11 +1,17 @@
-"""Shared fixtures: the real MNIST test files, and a writer of tiny CIFAR-10 folders in the real format."""
+"""Shared fixtures: the real MNIST test files, a writer of tiny CIFAR-10 folders in the real format, the composed
+config of a run directory (compose_cfg) and the DDPM CIFAR-10 UNet built once per module (ddpm_cifar10)."""
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from helpers import CONF, compose
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 MNIST_DIR = Path(__file__).resolve().parents[2] / "shared/data/mnist"  # /work/shared/data/mnist
 
@@ -40,3 +46,27 @@ def write_cifar(tmp_path: Path) -> CifarWriter:
         return root
 
     return write
+
+
+Compose = Callable[..., DictConfig]
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator[Compose]:
+    """compose_cfg(config_name, overrides): helpers.compose with the Hydra node, the run directory at tmp_path and
+    HydraConfig set, so `${hydra:runtime.output_dir}` resolves as under `python train.py`."""
+
+    def run(name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
+        cfg = compose(name, [*overrides, f"hydra.runtime.output_dir={tmp_path}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        return cfg
+
+    yield run
+    HydraConfig.instance().cfg = None
+
+
+@pytest.fixture(scope="module")
+def ddpm_cifar10() -> torch.nn.Module:
+    """conf/model/ddpm_cifar10.yaml's UNet (35.7M parameters), built once per test module; do not train it."""
+    torch.manual_seed(0)
+    return instantiate(OmegaConf.load(CONF / "model" / "ddpm_cifar10.yaml"))

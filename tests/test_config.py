@@ -4,15 +4,14 @@ Options are found on disk (conf/<group>/*.yaml), so a new option is tested witho
 a new group fails `test_every_group_has_a_check` until it gets one.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
+from helpers import CONF
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -39,7 +38,6 @@ from ddpm.optim import AdamW
 from ddpm.precision import resolve_precision
 from ddpm.training import build_callbacks, build_loggers
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 SAMPLE_GROUPS = ("sampler", "metrics")  # groups of conf/sample.yaml, checked by the sample tests below
 NOT_OPTIONS = ("experiment", "hparams_search", "hydra", "tune", *SAMPLE_GROUPS)  # checked by their own tests
 TRAIN_GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in NOT_OPTIONS)
@@ -50,23 +48,7 @@ SAMPLER_TYPES = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "dpm_solver": DPMSolv
 METRICS = sorted(f.stem for f in (CONF / "metrics").glob("*.yaml"))
 SMALL_MODEL = 5_000_000  # parameters: models below this also run a forward pass
 
-Compose = Callable[..., DictConfig]
-
-
-@pytest.fixture
-def compose_cfg(tmp_path: Path) -> Iterator[Compose]:
-    """compose(config_name, overrides) with the run directory set, as `python train.py` would have it."""
-
-    def run(name: str = "train", overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(
-                name, overrides=[*overrides, f"hydra.runtime.output_dir={tmp_path}"], return_hydra_config=True
-            )
-        HydraConfig.instance().set_config(cfg)  # so ${hydra:runtime.output_dir} resolves
-        return cfg
-
-    yield run
-    HydraConfig.instance().cfg = None
+Compose = Callable[..., DictConfig]  # the compose_cfg fixture (conftest.py): helpers.compose + run directory
 
 
 def disk(group: str, name: str) -> dict:
@@ -97,10 +79,11 @@ def test_every_group_has_a_check() -> None:
 # --- one check per group: instantiate the composed node and look at what it built --------------------
 
 
-def check_model(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+def check_model(cfg: DictConfig, name: str, tmp_path: Path, built: UNet | None = None) -> None:
+    """`built`: the preset's UNet built already (the 35.7M ddpm_cifar10, once per module) instead of instantiating."""
     # The default experiment (digits) must not rewrite the chosen preset (e.g. unet_mnist stays conditional).
     assert OmegaConf.to_container(cfg.model, resolve=True) == disk("model", name)
-    net = instantiate(cfg.model)
+    net = instantiate(cfg.model) if built is None else built
     assert isinstance(net, UNet)
     assert (net.in_channels, net.image_size, net.num_classes) == (
         cfg.model.in_channels,
@@ -237,6 +220,8 @@ def test_option_composes_and_instantiates(
     resolved(cfg)  # every interpolation resolves
     if group not in CHECKS:
         pytest.fail(f"no check for the config group {group!r}; add one to CHECKS")
+    if (group, name) == ("model", "ddpm_cifar10"):
+        return check_model(cfg, name, tmp_path, built=request.getfixturevalue("ddpm_cifar10"))
     CHECKS[group](cfg, name, tmp_path)
 
 
@@ -276,13 +261,19 @@ def experiment(compose_cfg: Compose, name: str, *extra: str) -> DictConfig:
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_composes_and_builds(name: str, compose_cfg: Compose, tmp_path: Path) -> None:
+def test_experiment_composes_and_builds(
+    name: str, compose_cfg: Compose, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     cfg = experiment(compose_cfg, name)
     # A folder to read (to_container: `in` skips a ??? value): any path will do, nothing is loaded here.
     if "root" in OmegaConf.to_container(cfg.data):
         cfg = experiment(compose_cfg, name, f"data.root={tmp_path / 'data'}")
     resolved(cfg, throw_on_missing=True)
-    net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
+    if OmegaConf.to_container(cfg.model, resolve=True) == disk("model", "ddpm_cifar10"):
+        net = request.getfixturevalue("ddpm_cifar10")  # the same 35.7M UNet, built once per module
+    else:
+        net = instantiate(cfg.model)
+    diffusion, optim = instantiate(cfg.diffusion), instantiate(cfg.optim)
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
     assert isinstance(module, DiffusionModule)
     dm = instantiate(cfg.data)
@@ -305,9 +296,10 @@ def test_digits_is_the_default_experiment(compose_cfg: Compose) -> None:
     assert default.data.image_size == 16 and default.data.hflip is False  # digits are not mirror-symmetric
 
 
-def test_cifar10_experiment_is_the_ddpm_paper_recipe(compose_cfg: Compose) -> None:
+def test_cifar10_experiment_is_the_ddpm_paper_recipe(compose_cfg: Compose, ddpm_cifar10: UNet) -> None:
     cfg = experiment(compose_cfg, "cifar10")
-    net = instantiate(cfg.model)
+    assert OmegaConf.to_container(cfg.model, resolve=True) == disk("model", "ddpm_cifar10")
+    net = ddpm_cifar10  # instantiate(cfg.model), built once per module
     assert round(parameters(net) / 1e6, 1) == 35.7  # Ho et al. 2020: 35.7M parameters
     assert (net.in_channels, net.image_size, net.num_classes) == (3, 32, None)
     assert cfg.model.dropout == 0.1 and cfg.diffusion.schedule == "linear" and cfg.diffusion.num_timesteps == 1000

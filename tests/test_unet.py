@@ -6,27 +6,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_unet
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ddpm.models.layers import timestep_embedding
-from ddpm.models.unet import UNet
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 PRESETS = sorted(p.stem for p in CONF.glob("*.yaml"))
 LARGE = {"ddpm_cifar10", "unet64"}
 
-TINY = dict(
-    in_channels=1,
-    image_size=16,
-    base_channels=16,
-    channel_mult=(1, 2),
-    num_res_blocks=1,
-    attention_resolutions=(8,),
-    num_heads=1,
-    dropout=0.0,
-    norm_groups=8,
-)
+SIZE_16 = dict(image_size=16, attention_resolutions=(8,))  # the tiny UNet at 16x16: levels at 16 and 8, widths 16, 32
 
 
 def load_preset(name: str, **overrides):
@@ -43,10 +33,13 @@ def test_presets_found():
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("num_classes", [None, 10])
-def test_preset_output_shape(name, num_classes):
+def test_preset_output_shape(name, num_classes, request):
     """Every preset maps (B, C, H, W) to (B, C, H, W), unconditional and class-conditional."""
     torch.manual_seed(0)
-    net = load_preset(name, num_classes=num_classes).eval()
+    if name == "ddpm_cifar10" and num_classes is None:
+        net = request.getfixturevalue("ddpm_cifar10").eval()  # built once for this module
+    else:
+        net = load_preset(name, num_classes=num_classes).eval()
     batch = 1 if name in LARGE else 2
     x = torch.randn(batch, net.in_channels, net.image_size, net.image_size)
     t = torch.randint(0, 1000, (batch,))
@@ -56,17 +49,16 @@ def test_preset_output_shape(name, num_classes):
     assert out.shape == x.shape and out.dtype == torch.float32
 
 
-def test_ddpm_cifar10_parameter_count():
+def test_ddpm_cifar10_parameter_count(ddpm_cifar10):
     """The DDPM CIFAR-10 preset has 35.7M parameters within 1% (Ho et al. 2020, appendix B)."""
-    net = load_preset("ddpm_cifar10")
-    count = sum(p.numel() for p in net.parameters())
+    count = sum(p.numel() for p in ddpm_cifar10.parameters())
     assert abs(count - 35.7e6) / 35.7e6 < 0.01, count
 
 
 def test_conditional_null_class_and_labels_matter():
     """y=None means the null class (index num_classes); different labels give different outputs."""
     torch.manual_seed(0)
-    net = UNet(**TINY, num_classes=3).eval()
+    net = tiny_unet(**SIZE_16, num_classes=3).eval()
     with torch.no_grad():
         for p in net.parameters():  # undo the zero init of output layers so the output depends on y
             p.add_(0.05 * torch.randn_like(p))
@@ -78,7 +70,7 @@ def test_conditional_null_class_and_labels_matter():
 
 def test_zero_init_outputs_zero():
     """Output layers start at zero, so the fresh UNet outputs exactly 0 (every block starts as the identity)."""
-    net = UNet(**TINY).eval()
+    net = tiny_unet(**SIZE_16).eval()
     with torch.no_grad():
         assert bool((net(torch.randn(2, 1, 16, 16), torch.tensor([0, 999])) == 0).all())
 
@@ -102,12 +94,12 @@ def test_zero_init_outputs_zero():
 def test_invalid_config_names_key(overrides, key):
     """Each invalid UNet config raises ValueError whose message names the model.* key to change."""
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        UNet(**(TINY | overrides))
+        tiny_unet(**(SIZE_16 | overrides))
 
 
 def test_validation_accepts_boundary_config():
     """A config that just fits (heads = smallest width, attention at the lowest resolution) builds and runs."""
-    net = UNet(**(TINY | {"num_heads": 16, "attention_resolutions": (16, 8)}))
+    net = tiny_unet(**(SIZE_16 | {"num_heads": 16, "attention_resolutions": (16, 8)}))
     with torch.no_grad():
         assert net(torch.randn(1, 1, 16, 16), torch.tensor([3])).shape == (1, 1, 16, 16)
 
