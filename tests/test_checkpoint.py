@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import CONF
 
 from ddpm import checkpoint
 from ddpm.callbacks.ema import CHECKPOINT_KEY
@@ -22,8 +23,6 @@ from ddpm.checkpoint import (
 )
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def run_config() -> dict:

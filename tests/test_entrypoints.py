@@ -2,34 +2,19 @@
 
 import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from runs import TINY  # tests/runs.py: the tiny-run overrides
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run(script: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
-    result = subprocess.run(
-        [sys.executable, script, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    if check and result.returncode != 0:
-        output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        raise AssertionError(f"{script} failed ({result.returncode}):\n{output}")
-    return result
+from helpers import TINY_RUN, sample, train
 
 
 @pytest.fixture(scope="module")
 def conditional_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
-    run("train.py", *TINY, "model.num_classes=10", f"hydra.run.dir={run_dir}")
+    train(*TINY_RUN, "model.num_classes=10", f"hydra.run.dir={run_dir}")
     return run_dir
 
 
@@ -58,8 +43,8 @@ def test_sample_is_reproducible_and_honours_labels(conditional_run: Path, tmp_pa
     outs = []
     for name, ckpt in [("a", "checkpoints/last.ckpt"), ("b", "ema.pt")]:
         out = tmp_path / name
-        run("sample.py", f"ckpt={conditional_run / ckpt}", "num_samples=6", "batch_size=4", "labels=[3,5]",
-            "guidance=2", "sampler.steps=5", "seed=7", f"hydra.run.dir={out}")  # fmt: skip
+        sample(f"ckpt={conditional_run / ckpt}", "num_samples=6", "batch_size=4", "labels=[3,5]", "guidance=2",
+               "sampler.steps=5", "seed=7", f"hydra.run.dir={out}")  # fmt: skip
         outs.append(np.load(out / "samples.npz"))
         assert (out / "grid.png").is_file()
     images, labels = outs[0]["images"], outs[0]["labels"]
@@ -71,20 +56,19 @@ def test_sample_is_reproducible_and_honours_labels(conditional_run: Path, tmp_pa
 @pytest.mark.slow
 def test_sample_errors_name_the_problem(conditional_run: Path, tmp_path: Path) -> None:
     """A missing checkpoint, a non-checkpoint file and guidance on bad labels each fail with a clear message."""
-    missing = run("sample.py", f"ckpt={tmp_path / 'nope.ckpt'}", f"hydra.run.dir={tmp_path}", check=False)
+    missing = sample(f"ckpt={tmp_path / 'nope.ckpt'}", f"hydra.run.dir={tmp_path}", check=False)
     assert missing.returncode != 0 and "nope.ckpt" in missing.stderr + missing.stdout
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(os.urandom(1000))
-    bad = run("sample.py", f"ckpt={junk}", f"hydra.run.dir={tmp_path}", check=False)
+    bad = sample(f"ckpt={junk}", f"hydra.run.dir={tmp_path}", check=False)
     assert bad.returncode != 0 and "junk.ckpt" in bad.stderr + bad.stdout
-    labels = run("sample.py", f"ckpt={conditional_run / 'ema.pt'}", "labels=[12]", f"hydra.run.dir={tmp_path}",
-                 check=False)  # fmt: skip
+    labels = sample(f"ckpt={conditional_run / 'ema.pt'}", "labels=[12]", f"hydra.run.dir={tmp_path}", check=False)
     assert labels.returncode != 0 and "0..9" in labels.stderr + labels.stdout
 
 
 @pytest.mark.slow
 def test_train_rejects_a_bad_config_value(tmp_path: Path) -> None:
     """A model that cannot be built fails before training, naming the key to change."""
-    result = run("train.py", "model.image_size=18", f"hydra.run.dir={tmp_path}", check=False)
+    result = train("model.image_size=18", f"hydra.run.dir={tmp_path}", check=False)
     assert result.returncode != 0
     assert "model.image_size=18" in result.stderr + result.stdout

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import tiny_unet
 from lightning.pytorch.loggers import CSVLogger
 
 import ddpm.callbacks.monitor
@@ -17,7 +18,6 @@ from ddpm.callbacks.nan_guard import NaNGuard
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.sources import DigitsSource
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule
 from ddpm.optim import AdamW
 
@@ -27,8 +27,7 @@ DETERMINISTIC_KEYS = ("train/loss", "train/grad_norm", "train/skipped_steps")  #
 def train_and_read_csv(tmp_path: Path, *, log_every_n_steps: int, max_steps: int) -> tuple[list[dict], int]:
     """A seeded tiny run with the Monitor and NaN guard; returns the CSV rows and the number of self.log calls."""
     pl.seed_everything(0, verbose=False)
-    net = UNet(in_channels=1, image_size=8, base_channels=16, channel_mult=(1, 2), num_res_blocks=1,
-               attention_resolutions=(4,), dropout=0.0, norm_groups=4, num_classes=10)  # fmt: skip
+    net = tiny_unet(num_classes=10)
     module = DiffusionModule(net=net, diffusion=GaussianDiffusion(num_timesteps=100, p_uncond=0.2),
                              optim=AdamW(lr=1e-3, warmup_steps=0))  # fmt: skip
     calls = []
@@ -74,9 +73,7 @@ def test_logging_only_on_logged_steps_writes_the_same_rows(tmp_path: Path, monke
 
 def test_logs_this_step_outside_a_trainer_is_true() -> None:
     assert ddpm.callbacks.monitor.logs_this_step(None)
-    module = DiffusionModule(net=UNet(in_channels=1, image_size=8, base_channels=16, channel_mult=(1,),
-                                      attention_resolutions=(), norm_groups=4),
-                             diffusion=GaussianDiffusion(num_timesteps=10), optim=AdamW(lr=1e-3))  # fmt: skip
+    module = DiffusionModule(net=tiny_unet(), diffusion=GaussianDiffusion(num_timesteps=100), optim=AdamW(lr=1e-3))
     x0 = torch.zeros(2, 1, 8, 8)
     logged_keys = []
     module.log = lambda name, *args, **kwargs: logged_keys.append(name)  # type: ignore[method-assign]

@@ -1,17 +1,10 @@
 """`ddpm.memory`: saved-tensor accounting against a layer whose saved tensors are known, and the CLI."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
+from helpers import REPO, run, tiny_unet
 from torch import nn
 
 from ddpm.memory import estimate, saved_tensor_bytes
-from ddpm.models.unet import UNet
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_saved_tensor_bytes_counts_what_autograd_keeps():
@@ -27,8 +20,7 @@ def test_saved_tensor_bytes_counts_what_autograd_keeps():
 def test_estimate_counts_parameters_and_scales_activations_with_the_batch():
     """Parameters and gradients: 4 bytes each; AdamW: 8; activations at batch 8 = 2x those at batch 4."""
     torch.manual_seed(0)
-    net = UNet(in_channels=1, image_size=8, base_channels=16, channel_mult=(1, 2), num_res_blocks=1,
-               attention_resolutions=(4,), num_heads=1, dropout=0.0, norm_groups=4)  # fmt: skip
+    net = tiny_unet()
     count = sum(p.numel() for p in net.parameters())
 
     def loss(model, x, y):
@@ -44,10 +36,8 @@ def test_estimate_counts_parameters_and_scales_activations_with_the_batch():
 
 def test_cli_prints_the_breakdown():
     """`python -m ddpm.memory model=unet_tiny data.batch_size=32` prints every line of the estimate."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "ddpm.memory", "model=unet_tiny", "data.batch_size=32", "--measure-batch", "2"]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run("python", "-m", "ddpm.memory", "model=unet_tiny", "data.batch_size=32", "--measure-batch", "2",
+                 timeout=120)  # fmt: skip
     for word in ("parameters", "gradients", "optimizer", "activations", "total", "batch 32"):
         assert word in result.stdout, result.stdout
 
