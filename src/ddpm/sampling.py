@@ -15,7 +15,7 @@ from torch import Tensor
 from torchvision.utils import make_grid, save_image
 
 from ddpm.checkpoint import instantiate_local, load_ema_model
-from ddpm.diffusion.generate import Generated, class_cycle
+from ddpm.diffusion.generate import Generated, check_guidance, class_cycle
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
@@ -107,6 +107,7 @@ def _sample(cfg: DictConfig) -> Generated:
     device = resolve_device(cfg.device)
     loaded = load_ema_model(cfg.ckpt, device)
     net, diffusion = loaded.net, loaded.diffusion
+    check_guidance(cfg.guidance, num_classes=net.num_classes, p_uncond=diffusion.p_uncond)  # before any sampling
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels
     labels = requested_labels(labels_cfg, cfg.num_samples, net.num_classes)
     out = generate_sharded(

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchvision.utils import make_grid, save_image
 
 from ddpm.callbacks.ema import EMA
-from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
+from ddpm.diffusion.generate import Generated, Sampler, check_guidance, class_cycle, generate
 
 
 def find_ema(trainer: pl.Trainer) -> EMA | None:
@@ -81,6 +81,17 @@ class SampleGrid(Callback):
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.guidance, self.seed, self.at_end = guidance, seed, at_end
         self.last_step = -1
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a guidance weight the model cannot honour when fitting starts, before any training step."""
+        if stage != "fit":
+            return
+        check_guidance(
+            self.guidance,
+            num_classes=pl_module.net.num_classes,
+            p_uncond=pl_module.diffusion.p_uncond,
+            key="callbacks.sample_grid.guidance",
+        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step

@@ -37,6 +37,31 @@ def to_uint8(x: Tensor) -> Tensor:
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
+def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float | None, key: str = "guidance") -> None:
+    """Refuse a classifier-free guidance weight the model cannot honour, naming `key` (the setting to change).
+
+    Guidance mixes the conditional prediction with the null class's (unconditional) one, so it needs a
+    class-conditional model (model.num_classes set) whose null class was trained: labels dropped to it with
+    probability diffusion.p_uncond > 0. sample.py and the training-time grid (SampleGrid) both call this.
+    """
+    if guidance < 0:
+        raise ValueError(f"{key}={guidance} must be >= 0 (0 = no guidance; 1-5 are usual)")
+    if guidance == 0:
+        return
+    if num_classes is None:
+        raise ValueError(
+            f"{key}={guidance} needs a class-conditional model, but this one is unconditional "
+            f"(model.num_classes: null); set {key}=0 or train with model.num_classes set"
+        )
+    if p_uncond is not None and p_uncond <= 0:
+        raise ValueError(
+            f"{key}={guidance} needs the model's unconditional (null-class) prediction, but its run has "
+            f"diffusion.p_uncond={p_uncond}: no label is ever dropped to the null class, so that prediction is "
+            f"untrained and guided samples would be noise; set {key}=0, or train with diffusion.p_uncond > 0 "
+            "(0.1 is usual)"
+        )
+
+
 def class_cycle(num_samples: int, num_classes: int) -> Tensor:
     """Labels 0, 1, ..., K-1, 0, 1, ...: every class in turn. (N,) int64."""
     return torch.arange(num_samples) % num_classes
