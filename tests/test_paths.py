@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import TINY_RUN, sample, train
+from helpers import TINY_RUN, compose, sample, train
 from PIL import Image
 
 from ddpm.callbacks.sample_grid import SampleGrid
@@ -246,3 +246,28 @@ def test_lr_find_without_apply_writes_the_plot_and_stops(tmp_path: Path) -> None
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "ema.pt").exists()
     assert not (tmp_path / "samples").exists()
     assert not list(tmp_path.glob("*.ckpt")) and not list(tmp_path.glob(".lr_find*"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model.num_classes=10", "diffusion.p_uncond=0", "callbacks.sample_grid.guidance=3"], "sample_grid"),
+        (["callbacks.sample_grid.guidance=2"], "sample_grid"),  # the default digits model is unconditional
+        (
+            [
+                "model.num_classes=10",
+                "diffusion.p_uncond=0",
+                "+callbacks/fid=classifier",
+                "callbacks.fid.features=clf.pt",
+                "callbacks.fid.guidance=1",
+            ],
+            "fid",
+        ),
+    ],
+)
+def test_train_refuses_callback_guidance_before_any_data_is_read(tmp_path, overrides, key) -> None:
+    """train()'s start-up check names the callback's key; the data module is never built."""
+    from ddpm.training import resolve_config
+
+    with pytest.raises(ValueError, match=rf"callbacks\.{key}\.guidance="):
+        resolve_config(compose("train", [*overrides, f"paths.output_dir={tmp_path}"]))

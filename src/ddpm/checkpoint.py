@@ -1,9 +1,11 @@
 """Reading this project's checkpoints safely, rebuilding the model from the saved config, and export.
 
-Two kinds of file are accepted: a full Lightning checkpoint written by train.py (`.ckpt`), and
+Two kinds of file are read here: a full Lightning checkpoint written by train.py (`.ckpt`), and
 the small EMA export (`ema.pt`: EMA weights plus the resolved config). Both are read with
 `torch.load(weights_only=True)`, so a file from elsewhere cannot run code when loaded, and
-the model is rebuilt only from `_target_`s inside this package.
+the model is rebuilt only from `_target_`s inside this package. `load_ema_model` also takes the
+run's `ema.safetensors` (ddpm.safetensors_io) and a diffusers folder written by `python -m ddpm.export`
+(ddpm.export.load_export); neither is unpickled.
 """
 
 import os
@@ -100,7 +102,23 @@ class LoadedModel:
 
 
 def load_ema_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
-    """Rebuild the run's UNet and schedule from the checkpoint's config and load the EMA weights into it."""
+    """Rebuild the run's UNet and schedule from the checkpoint's config and load the EMA weights into it.
+
+    `path`: a .ckpt, an ema.pt, an ema.safetensors, or a folder written by `python -m ddpm.export`."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "model_index.json").is_file():
+            raise CheckpointError(
+                f"{local} is a folder, not a checkpoint; pass <run dir>/ema.pt, <run dir>/ema.safetensors, "
+                "<run dir>/checkpoints/last.ckpt, or a folder written by python -m ddpm.export (with model_index.json)"
+            )
+        from ddpm.export import load_export  # imports this module
+
+        return load_export(local, device)
+    if local.suffix == ".safetensors":
+        from ddpm.safetensors_io import load_ema_model_safetensors  # imports this module
+
+        return load_ema_model_safetensors(local, device)
     checkpoint = load_checkpoint(path)
     config = run_config(checkpoint)
     net, diffusion = instantiate_local(config["model"]), instantiate_local(config["diffusion"])

@@ -66,7 +66,7 @@ def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.dev
     """FID/KID/IS of the generated images against the run's training data (statistics cached)."""
     names, options = requested_metrics(cfg.metrics), cfg.metrics
     extractor = build_extractor(str(options.features), device)
-    if "source" not in run_config["data"]:
+    if "source" not in run_config.get("data", {}):  # a re-saved diffusers folder carries no data config
         raise ValueError(
             "metrics: the run's data config has no `source` reader (data=webdataset?), so there is no training "
             "set to compute reference statistics from; evaluate a run trained on digits, mnist, cifar10 or image_folder"
@@ -92,7 +92,10 @@ def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.dev
 def sample(cfg: DictConfig) -> Generated:
     """Run the sampling described by conf/sample.yaml; returns the images and their labels."""
     if not cfg.get("ckpt"):
-        raise ValueError("no checkpoint given; pass ckpt=<run dir>/checkpoints/last.ckpt or ckpt=<run dir>/ema.pt")
+        raise ValueError(
+            "no checkpoint given; pass ckpt=<run dir>/ema.pt (or its ema.safetensors, a checkpoints/*.ckpt, "
+            "or a folder written by python -m ddpm.export)"
+        )
     if cfg.num_samples <= 0:
         raise ValueError(f"num_samples={cfg.num_samples} must be > 0")
     created = init_from_env()

@@ -12,8 +12,10 @@ from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.rng import RNGState
 from ddpm.checkpoint import export_ema
 from ddpm.checkpoint_io import AtomicCheckpointIO
+from ddpm.diffusion.generate import check_guidance
 from ddpm.precision import configure_precision, resolve_precision
 from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
+from ddpm.safetensors_io import save_ema_safetensors
 from ddpm.sweep import finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
 
@@ -45,7 +47,18 @@ def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     if "precision" in trainer:
         trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
     check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
+    check_callback_guidance(resolved)
     return resolved
+
+
+def check_callback_guidance(resolved: dict[str, Any]) -> None:
+    """The sample grid's and FID callback's guidance weights, refused before any data is read (the callbacks
+    check them again at setup, for use without train())."""
+    model, diffusion = resolved.get("model") or {}, resolved.get("diffusion") or {}
+    for name, node in (resolved.get("callbacks") or {}).items():
+        if isinstance(node, dict) and node.get("guidance"):
+            check_guidance(node["guidance"], num_classes=model.get("num_classes"), p_uncond=diffusion.get("p_uncond"),
+                           key=f"callbacks.{name}.guidance")  # fmt: skip
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -85,7 +98,8 @@ def train(cfg: DictConfig) -> float | None:
 
     if trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
-        print(f"EMA weights: {path}")
+        safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # the same, unpickle-free
+        print(f"EMA weights: {path} (and {safe.name})")
     return objective_value(trainer, cfg.get("objective") or "val/loss")
 
 

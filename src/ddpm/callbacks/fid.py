@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ddpm.callbacks.sample_grid import sample_with_ema
-from ddpm.diffusion.generate import Sampler, class_cycle
+from ddpm.diffusion.generate import Sampler, check_guidance, class_cycle
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
@@ -47,6 +47,12 @@ class FID(Callback):
         self.extractor: FeatureExtractor | None = None
         self.reference: FeatureStats | None = None
         self.last_step = -1
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a guidance weight the model cannot honour when fitting starts, before any training step."""
+        if stage == "fit":
+            check_guidance(self.guidance, num_classes=pl_module.net.num_classes,
+                           p_uncond=pl_module.diffusion.p_uncond, key="callbacks.fid.guidance")  # fmt: skip
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
