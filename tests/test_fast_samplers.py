@@ -8,12 +8,11 @@ not, as said at each test.
 """
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import CONF, compose
 from hydra.utils import instantiate
 
 from ddpm.diffusion.generate import generate
@@ -27,7 +26,6 @@ from ddpm.diffusion.schedule import make_betas
 diffusers = pytest.importorskip("diffusers")
 
 T = 1000
-CONF = Path(__file__).resolve().parents[1] / "conf"
 PREDICTION_TYPE = {"eps": "epsilon", "v": "v_prediction"}
 
 
@@ -496,8 +494,7 @@ def test_float32_throughout():
 @pytest.mark.parametrize(("name", "cls"), [("ddim", DDIMSampler), ("dpm_solver", DPMSolverSampler)])
 def test_sampler_config_instantiates_with_overrides(name, cls, tmp_path):
     """`sample.py sampler=NAME sampler.steps=50` composes and builds the sampler; every key has a comment."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("sample", overrides=[f"sampler={name}", "sampler.steps=50", f"output_dir={tmp_path}"])
+    cfg = compose("sample", [f"sampler={name}", "sampler.steps=50", f"output_dir={tmp_path}"])
     sampler = instantiate(cfg.sampler)
     assert isinstance(sampler, cls) and sampler.steps == 50 and len(sampler.timesteps(T)) == 50
     lines = (CONF / "sampler" / f"{name}.yaml").read_text().splitlines()

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import tiny_unet
 
 from ddpm.data.sources import DigitsSource
 from ddpm.diffusion.gaussian import GaussianDiffusion
@@ -27,8 +28,7 @@ def test_tiny_unet_overfits_16_real_digits() -> None:
     torch.manual_seed(0)
     data = DigitsSource().load(image_size=16, channels=1)
     x0 = data.images[:16].float() / 127.5 - 1.0  # (16, 1, 16, 16) real scikit-learn digits
-    net = UNet(in_channels=1, image_size=16, base_channels=32, channel_mult=(1, 2), num_res_blocks=1,
-               attention_resolutions=(8,), dropout=0.0, norm_groups=8)  # fmt: skip
+    net = tiny_unet(image_size=16, base_channels=32, attention_resolutions=(8,), num_heads=1, norm_groups=8)
     diffusion = GaussianDiffusion(num_timesteps=1000)
     before = fixed_loss(net, diffusion, x0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)

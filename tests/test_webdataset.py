@@ -3,23 +3,19 @@
 import csv
 import hashlib
 import io
-import os
-import subprocess
-import sys
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run, train
 from torch.utils.data import DataLoader
 
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
 from ddpm.data.sources import DigitsSource
 from ddpm.data.webdataset import ShardError, ShardStream, WebDataModule, assign_shards, expand_urls
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def unique_images(n: int, size: int = 8, channels: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,19 +175,15 @@ def test_skip_on_a_truncated_shard_and_an_all_damaged_training_stream_do_not_han
 @pytest.mark.slow
 def test_train_py_runs_on_shards(tmp_path: Path):
     """`make_shards` then `train.py data=webdataset data.urls=...` as real commands: val/loss and ema.pt."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
     out = tmp_path / "shards"
-    make = [sys.executable, "-m", "ddpm.data.make_shards", "digits", str(out), "--samples-per-shard", "300",
-            "--image-size", "16", "--channels", "1", "--limit", "1200"]  # fmt: skip
-    subprocess.run(make, cwd=REPO, env=env, check=True, capture_output=True, timeout=120)
+    run("python", "-m", "ddpm.data.make_shards", "digits", str(out), "--samples-per-shard", "300", "--image-size",
+        "16", "--channels", "1", "--limit", "1200", timeout=120)  # fmt: skip
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "data=webdataset", f'data.urls="{out}/shard-{{000000..000003}}.tar"',
-           "data.batch_size=16", "data.epoch_length=96", "data.num_workers=2", "trainer.max_steps=8",
-           "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-           "callbacks.checkpoint.every_n_train_steps=4", "callbacks.sample_grid.num_samples=4",
-           "callbacks.sample_grid.sampler.steps=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train("data=webdataset", f'data.urls="{out}/shard-{{000000..000003}}.tar"', "data.batch_size=16",
+          "data.epoch_length=96", "data.num_workers=2", "trainer.max_steps=8", "trainer.val_check_interval=4",
+          "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "callbacks.checkpoint.every_n_train_steps=4",
+          "callbacks.sample_grid.num_samples=4", "callbacks.sample_grid.sampler.steps=2",
+          f"hydra.run.dir={run_dir}")  # fmt: skip
     with (run_dir / "csv" / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert sum(1 for r in rows if r.get("train/loss")) == 8
