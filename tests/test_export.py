@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_RUN, TINY_UNET, run, tiny_unet, train
+from helpers import TINY_RUN, TINY_UNET, run, sample, tiny_unet, train
 from safetensors.torch import save_file
 
 from ddpm.checkpoint import CheckpointError, export_ema, load_ema_model
@@ -402,6 +402,26 @@ def test_train_export_and_diffusers_pipeline(tmp_path):
     assert images.images.shape == (2, 16, 16, 1) and np.isfinite(images.images).all()
     loaded, original = load_export(out), load_ema_model(run_dir / "ema.pt")
     assert all(torch.equal(loaded.net.state_dict()[k], v) for k, v in original.net.state_dict().items())
-    if (run_dir / "ema.safetensors").is_file():  # train.py writes it once training.py calls save_ema_safetensors
-        state, config = load_ema_safetensors(run_dir / "ema.safetensors")
-        assert config == original.config and all(torch.equal(state[k], v) for k, v in original.net.state_dict().items())
+    state, config = load_ema_safetensors(run_dir / "ema.safetensors")  # train.py writes it beside ema.pt
+    assert config == original.config and all(torch.equal(state[k], v) for k, v in original.net.state_dict().items())
+
+    # sample.py takes each kind of file and draws the same images from the same weights and seed
+    drawn = {}
+    for name, ckpt in [("ckpt", run_dir / "checkpoints" / "last.ckpt"), ("pt", run_dir / "ema.pt"),
+                       ("safetensors", run_dir / "ema.safetensors"), ("folder", out)]:  # fmt: skip
+        sample(f"ckpt={ckpt}", "num_samples=4", "sampler.steps=4", "guidance=2", f"output_dir={tmp_path / name}")
+        drawn[name] = np.load(tmp_path / name / "samples.npz")["images"]
+    for name in ("pt", "safetensors", "folder"):
+        np.testing.assert_array_equal(drawn[name], drawn["ckpt"], err_msg=name)
+
+    # bad files of each kind: a clear error naming the file, not a traceback from deep inside
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "ema.safetensors").write_bytes((run_dir / "ema.safetensors").read_bytes()[:500])
+    (broken / "last.ckpt").write_bytes((run_dir / "checkpoints" / "last.ckpt").read_bytes()[:500])
+    (broken / "folder").mkdir()
+    (broken / "folder" / "model_index.json").write_text("{}")
+    for path in (broken / "ema.safetensors", broken / "last.ckpt", broken / "folder", broken):
+        result = sample(f"ckpt={path}", "num_samples=2", f"output_dir={tmp_path / 'bad'}", check=False)
+        assert result.returncode != 0 and "CheckpointError" in result.stderr, result.stderr[-2000:]
+        assert str(path) in result.stderr, result.stderr[-2000:]
