@@ -103,14 +103,23 @@ def run(
     return result
 
 
-def train(*overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def train(
+    *overrides: str, check: bool = True, timeout: float = 300, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python train.py *overrides` (give hydra.run.dir=... to keep the run out of outputs/)."""
-    return run("python", "train.py", *overrides, check=check, timeout=timeout)
+    return run("python", "train.py", *overrides, check=check, timeout=timeout, extra_env=extra_env)
 
 
-def sample(*overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def sample(
+    *overrides: str, check: bool = True, timeout: float = 300, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python sample.py *overrides` (give output_dir=...)."""
-    return run("python", "sample.py", *overrides, check=check, timeout=timeout)
+    return run("python", "sample.py", *overrides, check=check, timeout=timeout, extra_env=extra_env)
+
+
+def wandb_dirs(folder: Path) -> dict[str, str]:
+    """W&B's folders under `folder` (extra_env of a test that reads what W&B wrote)."""
+    return {f"WANDB_{k}": str(folder / f"wandb_{k.lower()}") for k in ("DIR", "CACHE_DIR", "CONFIG_DIR", "DATA_DIR")}
 
 
 def compose(name: str = "train", overrides: Sequence[str] = (), *, return_hydra_config: bool = False) -> DictConfig:

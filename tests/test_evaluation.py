@@ -6,61 +6,31 @@ file kind `benchmarks/mnist_quality.py --save-classifier` writes, so no Inceptio
 
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import TINY_RUN, compose, run, sample, train
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 
 from ddpm.callbacks.fid import FID
 from ddpm.metrics.classifier import SmallClassifier, save_torchscript
 from ddpm.sampling import requested_metrics
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "data.limit=256",
-    "data.batch_size=32",
-    "trainer.max_steps=3",
-    "trainer.val_check_interval=3",
-    "trainer.log_every_n_steps=1",
-    "callbacks.checkpoint.every_n_train_steps=3",
-    "callbacks.sample_grid=null",
-    "model.num_classes=10",
-]
-
-
-def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
-    result = subprocess.run(list(command), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        )
-    return result
-
-
-def compose_config(name: str, overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(name, overrides=overrides)
+# The tiny run, stopped at its first validation (step 3), conditional, without the sample grid.
+EVAL_RUN = [*TINY_RUN, "trainer.max_steps=3", "callbacks.sample_grid=null", "model.num_classes=10"]
 
 
 def test_sample_config_selects_metrics_and_train_config_adds_the_fid_callback_only_when_asked() -> None:
     """metrics=[fid,kid,is] switches metrics on (none by default); +callbacks/fid=... adds FID (absent by default)."""
-    assert requested_metrics(compose_config("sample", []).metrics) == []
-    cfg = compose_config("sample", ["metrics=[is,fid,kid]", "metrics.features=clf.pt"])
+    assert requested_metrics(compose("sample", []).metrics) == []
+    cfg = compose("sample", ["metrics=[is,fid,kid]", "metrics.features=clf.pt"])
     assert requested_metrics(cfg.metrics) == ["fid", "kid", "is"] and cfg.metrics.features == "clf.pt"
-    assert "fid" not in compose_config("train", []).callbacks
+    assert "fid" not in compose("train", []).callbacks
     for option in ("inception", "classifier"):
-        cfg = compose_config("train", [f"+callbacks/fid={option}", "callbacks.fid.features=x.pt"])
+        cfg = compose("train", [f"+callbacks/fid={option}", "callbacks.fid.features=x.pt"])
         callback = instantiate(cfg.callbacks.fid)
         assert isinstance(callback, FID) and callback.sampler.steps == 50 and callback.metrics == ("fid",)
     with pytest.raises(ValueError, match="choose from"):
@@ -73,10 +43,11 @@ def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval")
     torch.manual_seed(0)
     classifier = save_torchscript(SmallClassifier(in_channels=1, num_classes=10), root / "clf.pt", image_size=32)
-    run(sys.executable, "train.py", *TINY, "+callbacks/fid=classifier", f"callbacks.fid.features={classifier}",
-        "callbacks.fid.every_n_steps=3", "callbacks.fid.num_samples=8", "callbacks.fid.batch_size=4",
-        "callbacks.fid.sampler.steps=2", "callbacks.fid.metrics=[fid,kid]", f"callbacks.fid.cache_dir={root / 'cache'}",
-        "objective=val/cfid@8", f"hydra.run.dir={root / 'run'}")  # fmt: skip
+    train(*EVAL_RUN, "+callbacks/fid=classifier", f"callbacks.fid.features={classifier}",
+          "callbacks.fid.every_n_steps=3", "callbacks.fid.num_samples=8", "callbacks.fid.batch_size=4",
+          "callbacks.fid.sampler.steps=2", "callbacks.fid.metrics=[fid,kid]",
+          f"callbacks.fid.cache_dir={root / 'cache'}", "objective=val/cfid@8",
+          f"hydra.run.dir={root / 'run'}")  # fmt: skip
     return {"run": root / "run", "classifier": classifier, "cache": root / "cache"}
 
 
@@ -105,7 +76,7 @@ def test_sample_py_metrics_on_one_process_and_under_torchrun_agree(
     common = [f"ckpt={evaluated_run['run'] / 'ema.pt'}", "num_samples=10", "batch_size=4", "sampler.steps=2", "seed=3"]
     metrics = ["metrics=[fid,kid,is]", f"metrics.features={evaluated_run['classifier']}",
                f"metrics.cache_dir={evaluated_run['cache']}"]  # fmt: skip
-    one = run(sys.executable, "sample.py", *common, *metrics, f"hydra.run.dir={tmp_path / 'one'}")
+    one = sample(*common, *metrics, f"hydra.run.dir={tmp_path / 'one'}")
     assert "reference statistics" not in one.stdout  # computed by the training run, read from the cache
     result = json.loads((tmp_path / "one" / "metrics.json").read_text())
     assert {"cfid@10", "ckid@10", "cis@10", "accuracy@10"} <= set(result), result
@@ -115,7 +86,7 @@ def test_sample_py_metrics_on_one_process_and_under_torchrun_agree(
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    run("python", "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
         "sample.py", *common, "device=cpu", f"hydra.run.dir={tmp_path / 'two'}")  # fmt: skip
     single, sharded = np.load(tmp_path / "one" / "samples.npz"), np.load(tmp_path / "two" / "samples.npz")
     np.testing.assert_array_equal(single["labels"], sharded["labels"])

@@ -7,18 +7,16 @@ label dropout (a conditional model with p_uncond), random flips (data.hflip) and
 """
 
 import csv
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
 RNG_HEAVY = [
     "data.limit=80",  # 72 training images (0.1 held out): 4 batches of 16 per epoch
     "data.batch_size=16",
@@ -37,24 +35,18 @@ RNG_HEAVY = [
     "callbacks.sample_grid=null",
     "callbacks.progress_bar=null",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
-
-
-def command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "train.py", *RNG_HEAVY, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def train(run_dir: Path, *overrides: str) -> None:
-    result = subprocess.run(command(run_dir, *overrides), cwd=REPO, env=ENV, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    """`python train.py` on the RNG-heavy config (helpers.train: one OpenMP thread, as the resumes need)."""
+    helpers.train(*RNG_HEAVY, *overrides, f"hydra.run.dir={run_dir}")
 
 
 def train_and_kill(run_dir: Path, kill_after: str, *overrides: str) -> None:
     """Start a long run, SIGKILL it as soon as `checkpoints/<kill_after>` exists (no chance to clean up)."""
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
-    process = subprocess.Popen(command(run_dir, "trainer.max_steps=1000", *overrides), cwd=REPO, env=ENV,
-                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    argv = [helpers.PYTHON, "train.py", *RNG_HEAVY, "trainer.max_steps=1000", *overrides, f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(), stdout=log, stderr=subprocess.STDOUT)
     target, deadline = run_dir / "checkpoints" / kill_after, time.monotonic() + 240
     while not target.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -121,7 +113,8 @@ def test_resume_records_the_safe_config_changes(runs: Path) -> None:
     record = yaml.safe_load((runs / "resumed_6" / "resume_diff.yaml").read_text())
     assert record["resumed_from"].endswith("step_0000006.ckpt") and record["global_step"] == 6
     assert record["changed"]["trainer.max_steps"] == {"checkpoint": 1000, "now": 8}
-    assert set(record["changed"]) == {"trainer.max_steps", "callbacks.checkpoint.dirpath", "logger.csv.save_dir"}
+    run_dir_keys = {"callbacks.checkpoint.dirpath", "logger.csv.save_dir", "logger.tensorboard.save_dir"}
+    assert set(record["changed"]) == {"trainer.max_steps", *run_dir_keys}  # the paths under the new run directory
 
 
 @pytest.mark.slow

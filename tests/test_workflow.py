@@ -3,38 +3,18 @@
 import csv
 import json
 import math
-import os
 import struct
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
+from helpers import TINY_RUN, compose, train, wandb_dirs
 from omegaconf import OmegaConf
-from runs import TINY  # tests/runs.py: the tiny-run overrides
 
 from ddpm.callbacks.monitor import eta_seconds
 from ddpm.sweep import collect, format_table
 from ddpm.tuning import unbias
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """train.py as a user runs it, W&B kept offline and its folders under tmp_path."""
-    wandb = {f"WANDB_{k}": str(tmp_path / f"wandb_{k.lower()}") for k in ("DIR", "CACHE_DIR", "CONFIG_DIR")}
-    env = {**os.environ, **wandb, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run(
-        [sys.executable, "train.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        )
-    return result
 
 
 def wandb_records(path: Path) -> Iterator[object]:
@@ -61,7 +41,8 @@ def wandb_records(path: Path) -> Iterator[object]:
 @pytest.mark.slow
 def test_wandb_offline_run_has_config_scalars_and_captioned_grid(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run(tmp_path, *TINY, "model.num_classes=10", "logger=[csv,wandb]", f"hydra.run.dir={run_dir}")
+    train(*TINY_RUN, "model.num_classes=10", "logger=[csv,wandb]", f"hydra.run.dir={run_dir}",
+          extra_env=wandb_dirs(tmp_path))  # fmt: skip
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     records = list(wandb_records(next(offline.glob("*.wandb"))))
     by_type: dict[str, list] = {}
@@ -91,7 +72,8 @@ def test_wandb_offline_run_has_config_scalars_and_captioned_grid(tmp_path: Path)
 @pytest.mark.slow
 def test_grid_multirun_gives_each_job_its_folder_and_ends_with_a_summary(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    result = run(tmp_path, "-m", *TINY, "callbacks.sample_grid=null", "optim.lr=1e-4,3e-4", f"hydra.sweep.dir={sweep}")
+    result = train("-m", *TINY_RUN, "callbacks.sample_grid=null", "optim.lr=1e-4,3e-4", f"hydra.sweep.dir={sweep}",
+                   extra_env=wandb_dirs(tmp_path))  # fmt: skip
     for job, lr in [("0", 1e-4), ("1", 3e-4)]:
         config = yaml.safe_load((sweep / job / "config.yaml").read_text())
         assert config["optim"]["lr"] == pytest.approx(lr)
@@ -109,9 +91,9 @@ def test_optuna_sweep_runs_two_trials_into_sqlite(tmp_path: Path) -> None:
     import optuna
 
     sweep = tmp_path / "study"
-    tiny = [o for o in TINY if not o.startswith("data.batch_size")]  # a value given here is not searched
-    run(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}",
-        *tiny, "callbacks.sample_grid=null")  # fmt: skip
+    tiny = [o for o in TINY_RUN if not o.startswith("data.batch_size")]  # a value given here is not searched
+    train("hparams_search=optuna", "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}", *tiny,
+          "callbacks.sample_grid=null", extra_env=wandb_dirs(tmp_path))  # fmt: skip
     study = optuna.load_study(study_name="ddpm", storage=f"sqlite:///{sweep}/optuna.db")
     trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(trials) == 2 and all(math.isfinite(t.value) for t in trials)
@@ -126,8 +108,8 @@ def test_optuna_sweep_runs_two_trials_into_sqlite(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_lr_find_plots_suggests_and_applies(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run(tmp_path, *TINY, "trainer.val_check_interval=1000", "tune=lr_find", "tune.lr_find.num_steps=30",
-                 "tune.apply=true", f"hydra.run.dir={run_dir}")  # fmt: skip
+    result = train(*TINY_RUN, "trainer.val_check_interval=1000", "tune=lr_find", "tune.lr_find.num_steps=30",
+                   "tune.apply=true", f"hydra.run.dir={run_dir}", extra_env=wandb_dirs(tmp_path))  # fmt: skip
     assert (run_dir / "lr_find.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((run_dir / "lr_find.json").read_text())
     assert len(record["lr"]) == len(record["loss"]) == 30
@@ -139,15 +121,11 @@ def test_lr_find_plots_suggests_and_applies(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
-def compose_train(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=True)
-
-
 def test_slurm_launcher_composes_and_matches_the_plugin_schema() -> None:
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
-    cfg = compose_train(["hydra/launcher=slurm", "trainer.devices=8", "trainer.num_nodes=2"])
+    overrides = ["hydra/launcher=slurm", "trainer.devices=8", "trainer.num_nodes=2"]
+    cfg = compose("train", overrides, return_hydra_config=True)
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     merged = OmegaConf.merge(OmegaConf.structured(SlurmQueueConf), launcher)  # raises on an unknown key
     assert merged._target_.endswith("SlurmLauncher")
@@ -156,7 +134,7 @@ def test_slurm_launcher_composes_and_matches_the_plugin_schema() -> None:
 
 
 def test_optuna_search_space_and_storage_compose() -> None:
-    cfg = compose_train(["hparams_search=optuna"])
+    cfg = compose("train", ["hparams_search=optuna"], return_hydra_config=True)
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "minimize"
     assert set(sweeper.params) == {"optim.lr", "data.batch_size", "ema.decay", "model.dropout", "optim.warmup_steps"}
