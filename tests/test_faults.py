@@ -381,14 +381,14 @@ def test_resume_with_breaking_changes_is_refused_before_data_or_model(tmp_path: 
 def test_resume_allows_and_records_safe_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = OmegaConf.to_container(composed(tmp_path), resolve=True)
     path = fake_training_checkpoint(tmp_path / "last.ckpt", config)
-    overrides = ("trainer.max_steps=7", "logger=tensorboard", "callbacks.sample_grid=null")
+    overrides = ("trainer.max_steps=7", "logger=[csv,wandb]", "callbacks.sample_grid=null")
     safe = OmegaConf.to_container(composed(tmp_path, *overrides), resolve=True)
     diff = check_resume(path, safe, tmp_path / "new")
     assert diff["trainer.max_steps"] == (config["trainer"]["max_steps"], 7)
     record = yaml.safe_load((tmp_path / "new" / "resume_diff.yaml").read_text())
     assert record["resumed_from"] == str(path) and record["global_step"] == 40
     assert record["changed"]["trainer.max_steps"] == {"checkpoint": config["trainer"]["max_steps"], "now": 7}
-    assert "logger.tensorboard._target_" in record["changed"]
+    assert "logger.wandb._target_" in record["changed"]  # a logger added (the default: csv, tensorboard)
     assert "trainer.max_steps" in capsys.readouterr().out
 
 

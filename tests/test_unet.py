@@ -1,26 +1,25 @@
 """The UNet presets (shape, parameter count), config validation and the sinusoidal timestep embedding."""
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_unet
+from helpers import CONF, tiny_unet
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ddpm.models.layers import timestep_embedding
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
-PRESETS = sorted(p.stem for p in CONF.glob("*.yaml"))
+MODELS = CONF / "model"
+PRESETS = sorted(p.stem for p in MODELS.glob("*.yaml"))
 LARGE = {"ddpm_cifar10", "unet64"}
 
 SIZE_16 = dict(image_size=16, attention_resolutions=(8,))  # the tiny UNet at 16x16: levels at 16 and 8, widths 16, 32
 
 
 def load_preset(name: str, **overrides):
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg = OmegaConf.load(MODELS / f"{name}.yaml")
     for key, value in overrides.items():
         cfg[key] = value
     return instantiate(cfg)
