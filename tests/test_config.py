@@ -229,7 +229,7 @@ def test_option_composes_and_instantiates(
 def test_sample_config_composes_with_every_sampler(name: str, compose_cfg: Compose, tmp_path: Path) -> None:
     cfg = compose_cfg("sample", [f"sampler={name}", "ckpt=/runs/x/ema.pt", "sampler.steps=50"])
     assert cfg.output_dir == str(tmp_path) and cfg.ckpt == "/runs/x/ema.pt"
-    assert (cfg.num_samples, cfg.batch_size, cfg.guidance, cfg.seed, cfg.device) == (64, 256, 0.0, 0, "auto")
+    assert (cfg.num_samples, cfg.batch_size, cfg.guidance, cfg.seed, cfg.device) == (64, "auto", 0.0, 0, "auto")
     sampler = instantiate(cfg.sampler)
     assert name in SAMPLER_TYPES, f"no expected class for sampler={name}; extend SAMPLER_TYPES"
     assert isinstance(sampler, SAMPLER_TYPES[name]) and sampler.steps == 50

@@ -15,7 +15,14 @@ from torch import Tensor
 from torchvision.utils import make_grid, save_image
 
 from ddpm.checkpoint import instantiate_local, load_ema_model
-from ddpm.diffusion.generate import Generated, check_guidance, class_cycle
+from ddpm.diffusion.generate import (
+    Generated,
+    check_guidance,
+    class_cycle,
+    compile_network,
+    default_batch_size,
+    resolve_sampling_precision,
+)
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
@@ -46,6 +53,17 @@ def requested_labels(labels: int | list[int] | None, num_samples: int, num_class
             f"labels={wanted.tolist()} must be in 0..{num_classes - 1} (the model has {num_classes} classes)"
         )
     return wanted[torch.arange(num_samples) % len(wanted)]
+
+
+def resolve_batch_size(batch_size: int | str | None, device: torch.device, *, guided: bool) -> int:
+    """`batch_size: auto` (or null): generate.default_batch_size for the device; an integer as given."""
+    if batch_size is None or str(batch_size) == "auto":
+        return default_batch_size(device, guided=guided)
+    if isinstance(batch_size, str) and not batch_size.isdigit():
+        raise ValueError(f"batch_size={batch_size!r} must be auto or a positive integer")
+    if int(batch_size) <= 0:
+        raise ValueError(f"batch_size={batch_size} must be > 0 (or auto)")
+    return int(batch_size)
 
 
 def write_outputs(out: Generated, out_dir: Path, nrow: int) -> None:
@@ -113,8 +131,12 @@ def _sample(cfg: DictConfig) -> Generated:
     check_guidance(cfg.guidance, num_classes=net.num_classes, p_uncond=diffusion.p_uncond)  # before any sampling
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels
     labels = requested_labels(labels_cfg, cfg.num_samples, net.num_classes)
+    guided = cfg.guidance != 0 and labels is not None
+    batch_size = resolve_batch_size(cfg.get("batch_size", "auto"), device, guided=guided)
+    precision = resolve_sampling_precision(cfg.get("precision", "auto"), device)
+    compiled = bool(cfg.get("compile", False))
     out = generate_sharded(
-        net=net,
+        net=compile_network(net) if compiled else net,  # compiled once, for every batch and step
         betas=diffusion.betas64(),
         prediction=diffusion.prediction,
         sampler=instantiate(cfg.sampler),
@@ -124,8 +146,10 @@ def _sample(cfg: DictConfig) -> Generated:
         null_class=net.num_classes,
         guidance=cfg.guidance,
         seed=cfg.seed,
-        batch_size=cfg.batch_size,
+        batch_size=batch_size,
         device=device,
+        precision=precision,
+        compile=compiled,
     )
     if world()[0] != 0:
         return out
@@ -133,7 +157,8 @@ def _sample(cfg: DictConfig) -> Generated:
     write_outputs(out, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
     print(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
-        f"{out.nfe} network evaluations per batch) -> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
+        f"{out.nfe} network evaluations per batch; batch {batch_size}, precision {precision}"
+        f"{', compiled' if compiled else ''}) -> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )
     if requested_metrics(cfg.get("metrics")):
         values = measure(out, cfg, loaded.config, device)

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ddpm.callbacks.sample_grid import sample_with_ema
 from ddpm.diffusion.generate import Sampler, check_guidance, class_cycle
+from ddpm.diffusion.samplers.base import PRECISIONS
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
@@ -33,6 +34,7 @@ class FID(Callback):
         seed: int = 0,  # same noise every evaluation, so values are comparable across steps
         batch_size: int = 250,  # images per sampling (and feature) batch on each rank
         cache_dir: str = DEFAULT_CACHE_DIR,  # where the training-set statistics are cached
+        precision: str | int = "auto",  # the network's: auto (bf16 where native), 32 or bf16; x_t stays float32
     ) -> None:
         if every_n_steps < 1 or num_samples < 2:
             raise ValueError(
@@ -44,6 +46,9 @@ class FID(Callback):
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.metrics, self.features, self.guidance, self.seed = tuple(metrics), features, guidance, seed
         self.batch_size, self.cache_dir = batch_size, cache_dir
+        if str(precision) not in ("auto", *PRECISIONS):
+            raise ValueError(f"callbacks.fid.precision={precision!r} must be auto, 32 or bf16")
+        self.precision = precision
         self.extractor: FeatureExtractor | None = None
         self.reference: FeatureStats | None = None
         self.last_step = -1
@@ -89,6 +94,7 @@ class FID(Callback):
             guidance=self.guidance,
             seed=self.seed,
             batch_size=self.batch_size,
+            precision=self.precision,
             generate_fn=generate_shard,
         )
         features, logits = sharded_features(self.extractor, mine.images, self.batch_size)

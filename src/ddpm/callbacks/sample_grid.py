@@ -14,6 +14,7 @@ from torchvision.utils import make_grid, save_image
 
 from ddpm.callbacks.ema import EMA
 from ddpm.diffusion.generate import Generated, Sampler, check_guidance, class_cycle, generate
+from ddpm.diffusion.samplers.base import PRECISIONS
 
 
 def find_ema(trainer: pl.Trainer) -> EMA | None:
@@ -30,12 +31,14 @@ def sample_with_ema(
     guidance: float,
     seed: int,
     batch_size: int = 256,
+    precision: str | int = "32",
     generate_fn: Callable[..., Generated] = generate,
 ) -> Generated:
     """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode.
 
     `generate_fn` takes `generate`'s keywords: `generate` (all images here), or
-    `ddpm.metrics.evaluate.generate_shard` (this DDP rank's share)."""
+    `ddpm.metrics.evaluate.generate_shard` (this DDP rank's share). precision: auto, 32 or bf16, the
+    network's only (generate's `precision`)."""
     net, diffusion = pl_module.net, pl_module.diffusion
     labels = class_cycle(num_samples, net.num_classes) if net.num_classes is not None else None
     ema = find_ema(trainer)
@@ -56,6 +59,7 @@ def sample_with_ema(
                 seed=seed,
                 batch_size=batch_size,
                 device=pl_module.device,
+                precision=precision,
             )
     finally:
         net.train(was_training)
@@ -73,6 +77,7 @@ class SampleGrid(Callback):
         guidance: float = 0.0,  # classifier-free guidance weight for conditional models
         seed: int = 0,  # same seed every time, so grids are comparable across steps
         at_end: bool = True,  # also save a grid when training ends
+        precision: str | int = "auto",  # the network's: auto (bf16 where native), 32 or bf16; x_t stays float32
     ) -> None:
         if every_n_steps < 0 or num_samples < 1:
             raise ValueError(
@@ -80,6 +85,9 @@ class SampleGrid(Callback):
             )
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.guidance, self.seed, self.at_end = guidance, seed, at_end
+        if str(precision) not in ("auto", *PRECISIONS):
+            raise ValueError(f"callbacks.sample_grid.precision={precision!r} must be auto, 32 or bf16")
+        self.precision = precision
         self.last_step = -1
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -113,6 +121,7 @@ class SampleGrid(Callback):
             num_samples=self.num_samples,
             guidance=self.guidance,
             seed=self.seed,
+            precision=self.precision,
         )
         nrow = pl_module.net.num_classes or int(self.num_samples**0.5)
         grid = make_grid(out.images.float() / 255.0, nrow=nrow, padding=2, pad_value=1.0)

@@ -3,10 +3,15 @@
 `GuidedModel` turns a network net(x_t, t, y) into (eps, x0) predictions in float32, with
 classifier-free guidance eps = (1 + w) eps_cond - w eps_uncond (Ho & Salimans 2022, eq. 6)
 computed in one batched forward of [cond; uncond].
+
+`network_call(net, precision)` is the one place the network runs: under bf16 autocast when precision is
+"bf16" (the output cast back to float32 right after the call), untouched when it is "32". x_t, the schedule
+and every sampler update stay float32 either way.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -15,6 +20,24 @@ from ddpm.diffusion.gaussian import Prediction, eps_and_x0
 from ddpm.diffusion.schedule import alpha_bar_from_betas
 
 Net = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+Precision = Literal["32", "bf16"]
+PRECISIONS = ("32", "bf16")
+
+
+def network_call(net: Net, precision: Precision = "32") -> Net:
+    """net(x, t, y) as the samplers call it: "32" is the network itself (float32, as before); "bf16" runs it
+    under torch.autocast(dtype=bfloat16) on x's device type and returns its output as float32."""
+    if precision == "32":
+        return net
+    if precision != "bf16":
+        raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
+
+    def bf16(x: Tensor, t: Tensor, y: Tensor | None) -> Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            out = net(x, t, y)
+        return out.float()
+
+    return bf16
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,7 @@ class GuidedModel:
         prediction: Prediction = "eps",  # what the network outputs
         guidance: float = 0.0,  # w of classifier-free guidance; 0 = plain conditional sampling
         null_class: int | None = None,  # index of the null label; None for an unconditional network
+        precision: Precision = "32",  # "bf16": the network (only) under bf16 autocast, see network_call
     ) -> None:
         if guidance != 0 and null_class is None:
             raise ValueError(
@@ -45,6 +69,8 @@ class GuidedModel:
         if guidance < 0:
             raise ValueError(f"guidance={guidance} must be >= 0 (0 = no guidance; 1-5 are usual)")
         self.net, self.prediction, self.guidance, self.null_class = net, prediction, guidance, null_class
+        self.precision = precision
+        self.call = network_call(net, precision)
         self.betas = betas.double()
         self.alpha_bar = alpha_bar_from_betas(self.betas)  # (T,) float64
         self.num_timesteps = len(betas)
@@ -60,9 +86,9 @@ class GuidedModel:
 
     def _guided_output(self, x_t: Tensor, t: Tensor, y: Tensor | None) -> Tensor:
         if self.guidance == 0 or y is None:
-            return self.net(x_t, t, y)
+            return self.call(x_t, t, y)
         uncond = torch.full_like(y, self.null_class)
-        both = self.net(torch.cat([x_t, x_t]), torch.cat([t, t]), torch.cat([y, uncond])).float()
+        both = self.call(torch.cat([x_t, x_t]), torch.cat([t, t]), torch.cat([y, uncond])).float()
         cond, free = both.chunk(2)
         # Guidance is linear in the output, so mixing v (or eps) equals mixing eps.
         return (1 + self.guidance) * cond - self.guidance * free

@@ -1,0 +1,172 @@
+"""Sampling throughput (images/s), row by row, all rows measured in one run on the same model.
+
+    python benchmarks/sampling.py --model unet_mnist --num-samples 512 --steps 20 --repeats 3
+    python benchmarks/sampling.py --ckpt outputs/2026-11-23/12-00-00/ema.pt --steps 50 --guidance 2
+
+Rows (--rows, comma-separated; default all):
+  fp32_eager      today's default path before `precision`/`compile`: float32, eager, batch 256
+  bf16            the network under bf16 autocast (generate's precision=bf16), batch 256
+  compile         torch.compile (inductor, dynamic=False; a partial last batch padded), float32, batch 256
+  bf16_compile    both, batch 256
+  defaults        what sample.py now picks here: batch_size auto, precision auto, compile false
+  defaults_compile  the same with compile=true
+
+Rows are interleaved --repeats times (ABC CBA ...); the table shows medians. A compiled row's network is compiled
+once, before its first timing (one untimed batch: the compile time, reported apart). The sampler is DDIM
+(--sampler ddim) or respaced DDPM (--sampler ddpm) with --steps steps. Writes JSON under benchmarks/results/ with
+the CPU model, its capability (AVX512/AMX: torch.backends.cpu.get_cpu_capability()), native bf16, torch version
+and git commit.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from ddpm.checkpoint import load_ema_model
+from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.diffusion.generate import compile_network, default_batch_size, generate, resolve_sampling_precision
+from ddpm.diffusion.samplers.ddim import DDIMSampler
+from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.precision import native_bf16
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Row:
+    precision: str = "32"  # 32 | bf16 | auto
+    compile: bool = False
+    batch_size: int | None = 256  # None: sample.py's auto
+
+
+ROWS = {
+    "fp32_eager": Row(),
+    "bf16": Row(precision="bf16"),
+    "compile": Row(compile=True),
+    "bf16_compile": Row(precision="bf16", compile=True),
+    "defaults": Row(precision="auto", batch_size=None),
+    "defaults_compile": Row(precision="auto", compile=True, batch_size=None),
+}
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native_bf16(device.type), "gpu": gpu, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "commit": commit, "device": str(device)}  # fmt: skip
+
+
+def load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, GaussianDiffusion]:
+    """The checkpoint's EMA network, or a preset from conf/model/ with random weights (and the default schedule)."""
+    if args.ckpt:
+        loaded = load_ema_model(args.ckpt, device)
+        return loaded.net.eval(), loaded.diffusion
+    torch.manual_seed(0)
+    net = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))
+    if args.guidance and net.num_classes is None:
+        net = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"), num_classes=10)
+    with torch.no_grad():  # random, not zero-initialised, output: realistic images for the sampler's clipping
+        for p in net.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return net.to(device).eval(), GaussianDiffusion()
+
+
+def run_row(name: str, row: Row, net, compiled: dict, diffusion, args, device: torch.device) -> dict[str, Any]:
+    guided = bool(args.guidance) and net.num_classes is not None
+    batch = row.batch_size or default_batch_size(device, guided=guided)
+    precision = resolve_sampling_precision(row.precision, device)
+    sampler = DDIMSampler(steps=args.steps) if args.sampler == "ddim" else DDPMSampler(steps=args.steps)
+    labels = torch.arange(args.num_samples) % net.num_classes if net.num_classes is not None else None
+    common = dict(betas=diffusion.betas64(), prediction=diffusion.prediction, sampler=sampler,
+                  image_shape=(net.in_channels, net.image_size, net.image_size), null_class=net.num_classes,
+                  guidance=args.guidance if guided else 0.0, seed=0, batch_size=batch, device=device,
+                  precision=precision, compile=row.compile)  # fmt: skip
+    compile_s = None
+    network = net
+    if row.compile:
+        key = (batch, precision)
+        if key not in compiled:  # compile once: one untimed batch (the compile time, reported)
+            compiled[key] = compile_network(net)
+            began = time.perf_counter()
+            generate(net=compiled[key], num_samples=batch, labels=None if labels is None else labels[:batch], **common)
+            compile_s = time.perf_counter() - began
+        network = compiled[key]
+    out = generate(net=network, num_samples=args.num_samples, labels=labels, **common)
+    return {"row": name, "batch_size": batch, "precision": precision, "compile": row.compile,
+            "images_per_s": out.images_per_second, "seconds": out.seconds, "compile_s": compile_s}  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    base = next((r["images_per_s"] for r in results if r["row"] == "fp32_eager"), None)
+    lines = [f"{'row':<18}{'batch':>6}{'prec':>6}{'compile':>8}{'img/s':>10}{'vs fp32':>9}{'compile s':>11}"]
+    for r in results:
+        ratio = f"{r['images_per_s'] / base:.2f}x" if base else "n/a"
+        comp = "n/a" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        lines.append(f"{r['row']:<18}{r['batch_size']:>6}{r['precision']:>6}{r['compile']!s:>8}"
+                     f"{r['images_per_s']:>10.2f}{ratio:>9}{comp:>11}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", default=None, help="a run's ema.pt/.ckpt/export folder (else --model, random)")
+    parser.add_argument("--model", default="unet_mnist", help="a preset in conf/model/ (random weights)")
+    parser.add_argument("--sampler", choices=["ddim", "ddpm"], default="ddim")
+    parser.add_argument("--steps", type=int, default=20, help="sampler steps (network evaluations per batch)")
+    parser.add_argument("--num-samples", type=int, default=512, help="images per row and repeat")
+    parser.add_argument("--guidance", type=float, default=0.0, help="classifier-free guidance (conditional)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sampling_<model>_<dev>)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.repeats < 1 or args.num_samples < 1 or args.steps < 1:
+        parser.error("--repeats, --num-samples and --steps must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    net, diffusion = load(args, device)
+    compiled: dict = {}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(args.repeats):  # alternate the order, so slow drift of the machine hits every row
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            runs[name].append(run_row(name, ROWS[name], net, compiled, diffusion, args, device))
+            print(f"done {name} ({repeat + 1}/{args.repeats}): {runs[name][-1]['images_per_s']:.2f} images/s",
+                  flush=True)  # fmt: skip
+    results = []
+    for name in names:
+        first = runs[name][0]
+        results.append({**first, "images_per_s": statistics.median(r["images_per_s"] for r in runs[name]),
+                        "images_per_s_runs": [r["images_per_s"] for r in runs[name]],
+                        "compile_s": next((r["compile_s"] for r in runs[name] if r["compile_s"]), None)})  # fmt: skip
+    label = Path(args.ckpt).stem if args.ckpt else args.model
+    report = {"model": label, "parameters": sum(p.numel() for p in net.parameters()), "args": vars(args),
+              "machine": machine(device), "rows": results}  # fmt: skip
+    print(table(results))
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"sampling_{label}_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
