@@ -249,7 +249,7 @@ def test_config_keys(tmp_path):
 def test_sample_py_bf16_compiled_guided(tmp_path):
     """sample.py precision=bf16 compile=true (inductor) on a tiny conditional run: 5 images in batches of 4."""
     run = tmp_path / "run"
-    train(*TINY_RUN, "model.num_classes=10", "diffusion.p_uncond=0.1", f"hydra.run.dir={run}", "logger=[]")
+    train(*TINY_RUN, "model.num_classes=10", "diffusion.p_uncond=0.1", f"hydra.run.dir={run}")
     out = tmp_path / "samples"
     result = sample(f"ckpt={run}/ema.pt", "precision=bf16", "compile=true", "num_samples=5", "batch_size=4",
                     "sampler=ddim", "sampler.steps=4", "guidance=2", "device=cpu", f"output_dir={out}",

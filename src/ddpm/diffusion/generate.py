@@ -175,8 +175,8 @@ def generate(
     labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same
     seed, batch size and first_index give the same images. precision: auto, 32 or bf16 (the network only,
     see samplers.base.network_call); compile: torch.compile the network (already compiled `net`s are
-    reused, e.g. by several calls), always called on batch_size rows (twice that with guidance): a partial
-    last batch is padded, so the random streams, and the images, are those of the uncompiled run.
+    reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer; twice that with
+    guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled run.
     """
     if num_samples <= 0:
         raise ValueError(f"num_samples={num_samples} must be > 0")
@@ -186,7 +186,8 @@ def generate(
     if compile:
         guided = guidance != 0 and labels is not None
         compiled = net if hasattr(net, "_orig_mod") else compile_network(net, compile_backend)
-        net = StaticBatch(compiled, rows=batch_size * (2 if guided else 1))
+        rows = min(batch_size, num_samples)  # fewer images than a batch: no padding up to batch_size
+        net = StaticBatch(compiled, rows=rows * (2 if guided else 1))
     model = GuidedModel(
         net=net, betas=betas, prediction=prediction, guidance=guidance, null_class=null_class, precision=precision
     )
