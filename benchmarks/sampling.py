@@ -12,7 +12,8 @@ Rows (--rows, comma-separated; default all):
   defaults_compile  the same with compile=true
 
 Rows are interleaved --repeats times (ABC CBA ...); the table shows medians. A compiled row's network is compiled
-once, before its first timing (one untimed batch: the compile time, reported apart). The sampler is DDIM
+once, before its first timing (one untimed batch: the compile time, reported apart); an eager row's first use
+is one untimed batch too (oneDNN kernel set-up). The sampler is DDIM
 (--sampler ddim) or respaced DDPM (--sampler ddpm) with --steps steps. Writes JSON under benchmarks/results/ with
 the CPU model, its capability (AVX512/AMX: torch.backends.cpu.get_cpu_capability()), native bf16, torch version
 and git commit.
@@ -60,11 +61,14 @@ ROWS = {
 
 
 def machine(device: torch.device) -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+               platform.processor())  # fmt: skip
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}),
             "native_bf16": native_bf16(device.type), "gpu": gpu, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit, "device": str(device)}  # fmt: skip
 
@@ -84,7 +88,9 @@ def load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modul
     return net.to(device).eval(), GaussianDiffusion()
 
 
-def run_row(name: str, row: Row, net, compiled: dict, diffusion, args, device: torch.device) -> dict[str, Any]:
+def run_row(
+    name: str, row: Row, net, compiled: dict, warmed: set, diffusion, args, device: torch.device
+) -> dict[str, Any]:
     guided = bool(args.guidance) and net.num_classes is not None
     batch = row.batch_size or default_batch_size(device, guided=guided)
     precision = resolve_sampling_precision(row.precision, device)
@@ -96,12 +102,16 @@ def run_row(name: str, row: Row, net, compiled: dict, diffusion, args, device: t
                   precision=precision, compile=row.compile)  # fmt: skip
     compile_s = None
     network = net
+    n = min(batch, args.num_samples)
+    if not row.compile and (batch, precision) not in warmed:  # first use: one untimed batch (kernel set-up)
+        warmed.add((batch, precision))
+        generate(net=net, num_samples=n, labels=None if labels is None else labels[:n], **common)
     if row.compile:
         key = (min(batch, args.num_samples), precision)
         if key not in compiled:  # compile once: one untimed batch (the compile time, reported)
             compiled[key] = compile_network(net)
             began = time.perf_counter()
-            n = min(batch, args.num_samples)  # the timed run's network batch: no recompile while timed
+            # n: the timed run's network batch, so nothing recompiles while timed
             generate(net=compiled[key], num_samples=n, labels=None if labels is None else labels[:n], **common)
             compile_s = time.perf_counter() - began
         network = compiled[key]
@@ -146,10 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     net, diffusion = load(args, device)
     compiled: dict = {}
+    warmed: set = set()
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):  # alternate the order, so slow drift of the machine hits every row
         for name in names if repeat % 2 == 0 else names[::-1]:
-            runs[name].append(run_row(name, ROWS[name], net, compiled, diffusion, args, device))
+            runs[name].append(run_row(name, ROWS[name], net, compiled, warmed, diffusion, args, device))
             print(f"done {name} ({repeat + 1}/{args.repeats}): {runs[name][-1]['images_per_s']:.2f} images/s",
                   flush=True)  # fmt: skip
     results = []
