@@ -20,10 +20,7 @@ and git commit.
 """
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +29,13 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from report import machine, write_report  # benchmarks/report.py
 
 from ddpm.checkpoint import load_ema_model
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.generate import compile_network, default_batch_size, generate, resolve_sampling_precision
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
-from ddpm.precision import native_bf16
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,19 +55,6 @@ ROWS = {
     "defaults": Row(precision="auto", batch_size=None),
     "defaults_compile": Row(precision="auto", compile=True, batch_size=None),
 }
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-               platform.processor())  # fmt: skip
-    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}),
-            "native_bf16": native_bf16(device.type), "gpu": gpu, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "commit": commit, "device": str(device)}  # fmt: skip
 
 
 def load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, GaussianDiffusion]:
@@ -173,10 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"model": label, "parameters": sum(p.numel() for p in net.parameters()), "args": vars(args),
               "machine": machine(device), "rows": results}  # fmt: skip
     print(table(results))
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"sampling_{label}_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_report(report, args.out, f"sampling_{label}_{device.type}.json")
     return report
 
 

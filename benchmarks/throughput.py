@@ -30,9 +30,7 @@ benchmarks/results/ with the machine, torch version and git commit.
 import argparse
 import copy
 import json
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +45,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
+from report import machine, write_report  # benchmarks/report.py
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Dataset
@@ -279,15 +278,6 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return None if table is None else table[precision]
 
 
-def machine(device: torch.device) -> dict[str, str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
-            "torch": torch.__version__, "commit": commit, "device": str(device)}  # fmt: skip
-
-
 def load_images(net: UNet, count: int) -> ImageSet:
     """scikit-learn's digits (offline), resized to the model's size and channels, repeated up to `count`."""
     data = DigitsSource().load(image_size=net.image_size, channels=net.in_channels)
@@ -431,10 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "machine": machine(device), "rows": results, "summary": summarise(runs)}  # fmt: skip
     print(table(results))
     print(json.dumps(report["summary"], indent=1))
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"throughput_{args.model}_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    write_report(report, args.out, f"throughput_{args.model}_{device.type}.json")
     return report
 
 
