@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+# pytest-xdist processes for make test (each test file stays on one worker: --dist loadfile)
+TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install train sample test test-fast lint format clean
@@ -26,11 +28,11 @@ train: $(STAMP)  ## train the default experiment (sklearn digits, CPU, a few min
 sample: $(STAMP)  ## sample from a run: make sample ARGS='ckpt=outputs/.../ema.pt'
 	$(BIN)/python sample.py $(ARGS)
 
-test: $(STAMP)  ## the whole test suite (slow tests included)
-	$(BIN)/python -m pytest $(ARGS)
+test: $(STAMP)  ## the whole test suite (slow tests included), TEST_WORKERS=2 files at a time
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-fast: $(STAMP)  ## the suite without the tests marked slow
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(BIN)/ruff check .

@@ -1,6 +1,7 @@
 """Shared fixtures: the real MNIST test files, a writer of tiny CIFAR-10 folders in the real format, the composed
 config of a run directory (compose_cfg) and the DDPM CIFAR-10 UNet built once per module (ddpm_cifar10)."""
 
+import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -12,6 +13,9 @@ from helpers import CONF, compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers share the 2 cores: one torch thread each
+    torch.set_num_threads(1)
 
 MNIST_DIR = Path(__file__).resolve().parents[2] / "shared/data/mnist"  # /work/shared/data/mnist
 
