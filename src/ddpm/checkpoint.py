@@ -10,10 +10,10 @@ run's `ema.safetensors` (ddpm.safetensors_io) and a diffusers folder written by 
 
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -130,20 +130,25 @@ def load_ema_model(path: str | os.PathLike, device: torch.device | str = "cpu") 
     return LoadedModel(net=net.float().eval().to(device), diffusion=diffusion.to(device), config=config)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
-    """torch.save to a temporary file in the same folder, fsync, then rename: never a torn file."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call `write(file)` on a temporary file in the same folder, fsync, then rename: never a torn file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """torch.save to `path` atomically (`atomic_write`)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def export_ema(path: str | os.PathLike, ema_state_dict: Mapping[str, Tensor], config: Mapping[str, Any]) -> Path:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
 
-from ddpm.checkpoint import CheckpointError, LoadedModel, instantiate_local
+from ddpm.checkpoint import CheckpointError, LoadedModel, atomic_write, instantiate_local
 
 FORMAT = "lightning-ddpm/ema-safetensors/1"
 CONFIG_KEY = "ddpm_config"
@@ -35,19 +35,9 @@ def save_ema_safetensors(
     path: str | os.PathLike, ema_state_dict: Mapping[str, Tensor], config: Mapping[str, Any]
 ) -> Path:
     """Write the EMA weights with the run config (JSON, header metadata) to `path`, atomically (temp + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in ema_state_dict.items()}
     metadata = {"format": FORMAT, CONFIG_KEY: json.dumps(dict(config))}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, lambda f: f.write(save(tensors, metadata=metadata)))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
