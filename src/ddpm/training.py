@@ -64,12 +64,13 @@ def check_callback_guidance(resolved: dict[str, Any]) -> None:
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
-    resolve_config(cfg)  # fail fast, before the LR range test too
-    if cfg.get("tune") is not None and not run_tuning(cfg):
-        return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
+    resolved = resolve_config(cfg)  # fail fast, before the LR range test too
+    if cfg.get("tune") is not None:
+        if not run_tuning(cfg):
+            return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
+        resolved = resolve_config(cfg)  # again: tune.apply set optim.lr
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
-    resolved = resolve_config(cfg)  # again: tune.apply may have set optim.lr
     precision = resolved.get("trainer", {}).get("precision")
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
