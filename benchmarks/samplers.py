@@ -5,34 +5,43 @@
     python benchmarks/samplers.py --ckpt outputs/.../ema.pt --classifier mnist_classifier.pt [--num-samples 1000]
     python benchmarks/samplers.py --ckpt ... --configs ddim50,dpm++10 --guidance 0,3    # a subset
 
+Resumable: every row is written to --out (and its classifier features to --features-dir) as soon as it finishes;
+the same command run again skips the rows already there (same checkpoint, samples, seed, batch and precision),
+so the table can be built across sessions. Rows run cheapest first (NFE x guided batch).
+
 For every configuration the same N images are drawn (labels 0..9 in turn, same seeds): the FID is the
 "classifier FID" (`cfid@N`: the classifier's penultimate features, against the statistics of every MNIST
 image in --data-root, cached), the accuracy is how often the classifier reads the requested label. The
 classifier KID (`ckid@N`) is unbiased in N, so it stays comparable where FID's small-sample bias (1024-d
 features) dominates.
 NFE counts network calls per image trajectory; with guidance each call runs the conditional and the
-unconditional half in one doubled batch. images/s is measured side by side in this one run (GPU: synchronised).
+unconditional half in one doubled batch. images/s is each row's own wall time (GPU: synchronised); rows resumed
+from another session were timed there. Sampling runs as sample.py's defaults do (--precision auto: bf16 network
+calls where the device runs bf16 natively; --compile to compile the network).
+Intervals: 95% bootstrap over the N images (ddpm.metrics.bootstrap: --resamples resamples, centred on the value);
+"vs DDPM-1000" is the cfid ratio to ddpm1000 at the same guidance, both sets resampled together (image i of
+every row has the same label and initial noise).
 Prints a table, writes JSON under benchmarks/results/ and a section of docs/benchmarks.md.
 """
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from report import machine  # benchmarks/report.py
 
 from ddpm.checkpoint import load_ema_model
 from ddpm.data.sources import MNISTSource
-from ddpm.diffusion.generate import class_cycle, generate
+from ddpm.diffusion.generate import class_cycle, default_batch_size, generate, resolve_sampling_precision
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
+from ddpm.metrics.bootstrap import SetStatistics, bootstrap, paired_ratio, resample_weights
 from ddpm.metrics.features import FeatureExtractor, classifier_extractor
-from ddpm.metrics.fid import DEFAULT_CACHE_DIR, compute_metrics, count_tag, reference_stats
+from ddpm.metrics.fid import DEFAULT_CACHE_DIR, count_tag, kernel_distance, reference_stats
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name -> (sampler class, constructor arguments)
@@ -67,39 +76,72 @@ def synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(loaded, sampler, guidance: float, args: argparse.Namespace, device: torch.device) -> dict:
+def nfe_cost(name: str, guidance: float) -> int:
+    """Network rows per image of one configuration: its steps, doubled with guidance (rows run cheapest first)."""
+    steps = CONFIGS[name][1]["steps"] or 1000
+    return steps * (2 if guidance else 1)
+
+
+def measure(net, loaded, sampler, guidance: float, args: argparse.Namespace, device: torch.device) -> dict:
     """Draw the N images with one configuration; time it; return speed and the generated batch."""
-    net, diffusion = loaded.net, loaded.diffusion
+    diffusion = loaded.diffusion
     labels = class_cycle(args.num_samples, net.num_classes) if net.num_classes is not None else None
     synchronise(device)
     began = time.perf_counter()
-    out = generate(net=net, betas=diffusion.betas64(), prediction=diffusion.prediction, sampler=sampler,
-                   image_shape=(net.in_channels, net.image_size, net.image_size), num_samples=args.num_samples,
-                   labels=labels, null_class=net.num_classes, guidance=guidance, seed=args.seed,
-                   batch_size=args.batch_size, device=device)  # fmt: skip
+    out = generate(
+        net=net,
+        betas=diffusion.betas64(),
+        prediction=diffusion.prediction,
+        sampler=sampler,
+        image_shape=(net.in_channels, net.image_size, net.image_size),
+        num_samples=args.num_samples,
+        labels=labels,
+        null_class=net.num_classes,
+        guidance=guidance,
+        seed=args.seed,
+        batch_size=batch_for(args, guidance, device),
+        device=device,
+        precision=args.precision,
+        compile=args.compile,
+    )
     synchronise(device)
     return {"out": out, "seconds": time.perf_counter() - began}
 
 
+def batch_for(args: argparse.Namespace, guidance: float, device: torch.device) -> int:
+    """--batch-size, or sample.py's auto batch for this guidance (its [cond; uncond] call doubles the rows)."""
+    return int(args.batch_size) if args.batch_size != "auto" else default_batch_size(device, guided=guidance != 0)
+
+
+def interval(p: dict, scale: float = 1.0, spec: str = ".2f") -> str:
+    return f"{scale * p['value']:{spec}} [{scale * p['low']:{spec}}, {scale * p['high']:{spec}}]"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     tag = count_tag(meta["num_samples"])
+    m = meta["machine"]
     lines = [
-        f"### Samplers on MNIST ({meta['num_samples']} samples, {meta['machine']}, torch {meta['torch']}, "
-        f"commit {meta['commit']})",
+        f"### Samplers on MNIST ({meta['num_samples']} samples, {m['cpu'] if m['gpu'] is None else m['gpu']}, "
+        f"{m['cpu_capability']} ({' '.join(m['cpu_flags'])}), {m['threads']} threads, torch {m['torch']}, "
+        f"commit {m['commit'][:7]})",
         "",
-        f"| sampler | NFE | guidance | cfid@{tag} | ckid@{tag} (x1e3) | accuracy | images/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| sampler | NFE | guidance | cfid@{tag} [95%] | vs DDPM-1000 [95%] | ckid@{tag} x1e3 [95%] | accuracy [95%] "
+        "| images/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        acc = f"{r['accuracy']:.3f}" if r["accuracy"] is not None else "-"
+        ratio = interval(r["vs_ddpm1000"], spec=".3f") if r.get("vs_ddpm1000") else "-"
+        acc = interval(r["accuracy"], spec=".3f") if r.get("accuracy") else "-"
         lines.append(
-            f"| {r['config']} | {r['nfe']} | {r['guidance']:g} | {r['cfid']:.3f} | {1e3 * r['ckid']:.2f} "
-            f"± {1e3 * r['ckid_std']:.2f} | {acc} | {r['images_per_s']:.1f} |"
+            f"| {r['config']} | {r['nfe']} | {r['guidance']:g} | {interval(r['cfid'])} | {ratio} | "
+            f"{interval(r['ckid'], 1e3)} | {acc} | {r['images_per_s']:.2f} |"
         )
     lines += [
         "",
-        f"`{meta['command']}`; cfid: classifier FID against the statistics of {meta['reference']}; "
-        "ckid: classifier KID (unbiased, so comparable across sample counts), mean ± std over subsets.",
+        f"`{meta['command']}` (precision {meta['precision']}, compile {meta['compile']}, batch {meta['batch_size']});"
+        f" cfid: classifier FID against the statistics of {meta['reference']}; ckid: classifier KID (unbiased "
+        f"MMD^2); [95%]: bootstrap over the {meta['num_samples']} images ({meta['resamples']} resamples, centred on "
+        "the value); vs DDPM-1000: the cfid ratio, paired resamples. images/s: each row's own wall time.",
         "",
     ]
     return "\n".join(lines)
@@ -117,24 +159,6 @@ def write_docs(path: Path, table: str) -> None:
     path.write_text(text)
 
 
-def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
-def machine(device: torch.device) -> str:
-    """The GPU's name, or the CPU model (/proc/cpuinfo on Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [
-        line.split(":", 1)[1].strip()
-        for line in (cpuinfo.read_text() if cpuinfo.is_file() else "").splitlines()
-        if line.startswith("model name")
-    ]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, required=True, help="the run's ema.pt (or a .ckpt)")
@@ -146,17 +170,62 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=1000)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     parser.add_argument("--guidance", default="0,1,3", help="comma-separated guidance weights")
-    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--batch-size", default="auto", help="images per batch; auto: sample.py's batch_size=auto")
+    parser.add_argument("--precision", default="auto", help="auto, 32 or bf16 (the network calls)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the network (compiled once)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples per interval")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda ...")
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/samplers.json")
+    parser.add_argument("--features-dir", type=Path, default=REPO / "outputs/samplers_features",
+                        help="each row's classifier features (for paired intervals when resuming)")  # fmt: skip
+    parser.add_argument("--fresh", action="store_true", help="ignore the rows already in --out")
     parser.add_argument("--docs", type=Path, default=REPO / "docs/benchmarks.md", help="Markdown file to update")
     args = parser.parse_args()
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    if args.batch_size != "auto" and not args.batch_size.isdigit():
+        parser.error(f"--batch-size {args.batch_size}: a positive integer or auto")
     return args
+
+
+def resumable(args: argparse.Namespace, key: dict) -> list[dict]:
+    """The rows of an earlier run with the same key (their features still on disk), else none."""
+    if args.fresh or not args.out.is_file():
+        return []
+    earlier = json.loads(args.out.read_text())
+    if earlier.get("key") != key:
+        print(f"{args.out} holds another run ({earlier.get('key')}); starting afresh (its rows are replaced)")
+        return []
+    return [r for r in earlier["rows"] if (args.features_dir / r["features"]).is_file()]
+
+
+def save(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    tmp.replace(args.out)
+
+
+def with_intervals(rows: list[dict], stats: dict, args: argparse.Namespace) -> list[dict]:
+    """Each row's bootstrap intervals, and its paired cfid ratio to ddpm1000 at the same guidance."""
+    weights = resample_weights(args.num_samples, args.resamples, seed=args.seed)
+    out = []
+    for r in rows:
+        s = stats[(r["config"], r["guidance"])]
+        row = {**r, **{k: v.as_dict() for k, v in bootstrap(s, weights).items()}}
+        base = stats.get(("ddpm1000", r["guidance"]))
+        if base is not None:
+            row["vs_ddpm1000"] = paired_ratio(s, base, weights).as_dict()
+        out.append(row)
+    return out
+
+
+def order(rows: list[dict]) -> list[dict]:
+    names = list(CONFIGS)
+    return sorted(rows, key=lambda r: (r["guidance"], names.index(r["config"])))
 
 
 def main() -> None:
@@ -165,42 +234,76 @@ def main() -> None:
     device = torch.device(auto if args.device == "auto" else args.device)
     loaded = load_ema_model(args.ckpt, device)
     net = loaded.net
+    guided_any = net.num_classes is not None
+    args.precision = resolve_sampling_precision(args.precision, device)
     extractor = get_classifier(args).to(device)
     reference = reference_stats(MNISTSource(root=args.data_root), image_size=net.image_size,
                                 channels=net.in_channels, extractor=extractor, cache_dir=args.cache_dir)  # fmt: skip
-    guidances = [float(g) for g in args.guidance.split(",")] if net.num_classes is not None else [0.0]
-    warm = DDIMSampler(steps=2)  # first-call costs (allocations, cuDNN autotuning) stay out of the timings
-    generate(net=net, betas=loaded.diffusion.betas64(), prediction=loaded.diffusion.prediction, sampler=warm,
-             image_shape=(net.in_channels, net.image_size, net.image_size), num_samples=min(args.batch_size, 64),
-             labels=None, null_class=net.num_classes, device=device)  # fmt: skip
-    rows = []
-    print(f"{'sampler':10}{'NFE':>6}{'w':>5}{'cfid':>10}{'ckid':>10}{'accuracy':>10}{'images/s':>10}")
-    for name in args.configs.split(","):
+    guidances = [float(g) for g in args.guidance.split(",")] if guided_any else [0.0]
+    key = {
+        "ckpt": str(args.ckpt.resolve()),
+        "ckpt_bytes": args.ckpt.stat().st_size,
+        "num_samples": args.num_samples,
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "precision": args.precision,
+        "classifier": extractor.name,
+    }
+    meta = {"key": key, **key, "compile": args.compile, "resamples": args.resamples, "machine": machine(device),
+            "reference": f"{reference.num} MNIST images in {args.data_root}", "features": extractor.name,
+            "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    rows = resumable(args, key)
+    done = {(r["config"], r["guidance"]) for r in rows}
+    todo = sorted(((n, g) for n in args.configs.split(",") for g in guidances if (n, g) not in done),
+                  key=lambda c: nfe_cost(*c))  # fmt: skip
+    print(f"{len(done)} rows resumed from {args.out}; {len(todo)} to run: {todo}", flush=True)
+    args.features_dir.mkdir(parents=True, exist_ok=True)
+    network = net
+    if todo:
+        if args.compile:
+            from ddpm.diffusion.generate import compile_network
+
+            network = compile_network(net)  # once: every row reuses it (one graph per batch shape)
+        warm = DDIMSampler(steps=2)  # first-call costs (allocations, compilation) stay out of the timings
+        for guidance in {g for _, g in todo}:
+            first = argparse.Namespace(**{**vars(args), "num_samples": batch_for(args, guidance, device)})
+            measure(network, loaded, warm, guidance, first, device)
+    for name, guidance in todo:
         cls, kwargs = CONFIGS[name]
-        for guidance in guidances:
-            run = measure(loaded, cls(**kwargs), guidance, args, device)
-            out = run["out"]
-            features, logits = extractor(out.images)
-            values = compute_metrics(["fid", "kid"], features=features, logits=logits, reference=reference,
-                                     kind="classifier", labels=out.labels)  # fmt: skip
-            tag = count_tag(len(out.images))
-            row = {"config": name, "sampler": cls.__name__, **{k: v for k, v in kwargs.items()}, "nfe": out.nfe,
-                   "guidance": guidance, "cfid": values[f"cfid@{tag}"], "ckid": values[f"ckid@{tag}"],
-                   "ckid_std": values[f"ckid_std@{tag}"], "accuracy": values.get(f"accuracy@{tag}"),
-                   "images_per_s": len(out.images) / run["seconds"], "seconds": run["seconds"]}  # fmt: skip
-            rows.append(row)
-            acc = f"{row['accuracy']:.3f}" if row["accuracy"] is not None else "-"
-            print(f"{name:10}{out.nfe:>6}{guidance:>5g}{row['cfid']:>10.3f}{row['ckid']:>10.5f}{acc:>10}"
-                  f"{row['images_per_s']:>10.1f}")  # fmt: skip
-    meta = {
-        "num_samples": args.num_samples, "batch_size": args.batch_size, "seed": args.seed, "ckpt": str(args.ckpt),
-        "reference": f"{reference.num} MNIST images in {args.data_root}", "machine": machine(device),
-        "torch": torch.__version__, "commit": git_commit(), "features": extractor.name,
-        "command": "python " + " ".join(sys.argv),
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    write_docs(args.docs, markdown(rows, meta))
+        run = measure(network, loaded, cls(**kwargs), guidance, args, device)
+        out = run["out"]
+        features, logits = extractor(out.images)
+        file = f"{name}_w{guidance:g}.pt"
+        torch.save({"features": features.cpu(), "logits": None if logits is None else logits.cpu(),
+                    "labels": out.labels}, args.features_dir / file)  # fmt: skip
+        rows.append(
+            {
+                "config": name,
+                "sampler": cls.__name__,
+                **kwargs,
+                "nfe": out.nfe,
+                "guidance": guidance,
+                "images_per_s": len(out.images) / run["seconds"],
+                "seconds": run["seconds"],
+                "features": file,
+            }
+        )
+        save(args, meta, rows)
+        print(f"{name:10}{out.nfe:>6}{guidance:>5g}  {rows[-1]['images_per_s']:.2f} images/s "
+              f"({run['seconds']:.0f} s) -> {args.out}", flush=True)  # fmt: skip
+    stats = {}
+    for r in rows:
+        saved = torch.load(args.features_dir / r["features"], weights_only=True)
+        stats[(r["config"], r["guidance"])] = SetStatistics(reference, saved["features"], logits=saved["logits"],
+                                                            labels=saved["labels"])  # fmt: skip
+    final = order(with_intervals(rows, stats, args))
+    for r in final:
+        tag = count_tag(args.num_samples)
+        r[f"ckid_subsets@{tag}"] = kernel_distance(reference, stats[(r["config"], r["guidance"])].f)[0]
+    save(args, meta, final)
+    table = markdown(final, meta)
+    print(table)
+    write_docs(args.docs, table)
     print(f"-> {args.out}, {args.docs}")
 
 
