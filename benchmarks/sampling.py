@@ -11,12 +11,17 @@ Rows (--rows, comma-separated; default all):
   defaults        what sample.py now picks here: batch_size auto, precision auto, compile false
   defaults_compile  the same with compile=true
 
-Rows are interleaved --repeats times (ABC CBA ...); the table shows medians. A compiled row's network is compiled
-once, before its first timing (one untimed batch: the compile time, reported apart); an eager row's first use
-is one untimed batch too (oneDNN kernel set-up). The sampler is DDIM
-(--sampler ddim) or respaced DDPM (--sampler ddpm) with --steps steps. Writes JSON under benchmarks/results/ with
-the CPU model, its capability (AVX512/AMX: torch.backends.cpu.get_cpu_capability()), native bf16, torch version
+Rows are interleaved --repeats times (ABC CBA ...); the table shows medians and the min-max over repeats. A compiled
+row's network is compiled once, before its first timing (one untimed batch: the compile time, reported apart); an
+eager row's first use is one untimed batch too (oneDNN kernel set-up). The sampler (--sampler: ddim, respaced ddpm
+or dpm_solver, DPM-Solver++) runs --steps steps. Writes JSON under benchmarks/results/ with the CPU model, its
+capability (AVX512/AMX: torch.backends.cpu.get_cpu_capability()), native bf16, torch version
 and git commit.
+
+Same images? With --classifier (benchmarks/mnist_quality.py --save-classifier) each row's images of its first repeat
+get a classifier FID with a 95% bootstrap interval (ddpm.metrics.bootstrap), and rows that draw the same noise as
+fp32_eager (same batch size: the initial noise is seeded per batch) are compared with its images pixel by pixel:
+the fraction of uint8 values that differ, their mean and largest difference.
 """
 
 import argparse
@@ -36,8 +41,10 @@ from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.generate import compile_network, default_batch_size, generate, resolve_sampling_precision
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLERS = {"ddim": DDIMSampler, "ddpm": DDPMSampler, "dpm_solver": DPMSolverSampler}
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def run_row(
     guided = bool(args.guidance) and net.num_classes is not None
     batch = row.batch_size or default_batch_size(device, guided=guided)
     precision = resolve_sampling_precision(row.precision, device)
-    sampler = DDIMSampler(steps=args.steps) if args.sampler == "ddim" else DDPMSampler(steps=args.steps)
+    sampler = SAMPLERS[args.sampler](steps=args.steps)
     labels = torch.arange(args.num_samples) % net.num_classes if net.num_classes is not None else None
     common = dict(betas=diffusion.betas64(), prediction=diffusion.prediction, sampler=sampler,
                   image_shape=(net.in_channels, net.image_size, net.image_size), null_class=net.num_classes,
@@ -101,17 +108,51 @@ def run_row(
         network = compiled[key]
     out = generate(net=network, num_samples=args.num_samples, labels=labels, **common)
     return {"row": name, "batch_size": batch, "precision": precision, "compile": row.compile,
-            "images_per_s": out.images_per_second, "seconds": out.seconds, "compile_s": compile_s}  # fmt: skip
+            "images_per_s": out.images_per_second, "seconds": out.seconds, "compile_s": compile_s,
+            "images": out.images, "labels": out.labels}  # fmt: skip
+
+
+def pixel_difference(images: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
+    """uint8 images against the same-noise float32 eager images: fraction of values that differ, mean, max."""
+    diff = (images.int() - base.int()).abs()
+    return {"differ": float((diff > 0).double().mean()), "mean": float(diff.double().mean()), "max": int(diff.max())}
+
+
+def score(results: list[dict], args: argparse.Namespace) -> None:
+    """cfid [95%] of every row's images and the pixel difference to fp32_eager's, added to the rows in place."""
+    from ddpm.data.sources import MNISTSource
+    from ddpm.metrics.bootstrap import SetStatistics, bootstrap, resample_weights
+    from ddpm.metrics.features import classifier_extractor
+    from ddpm.metrics.fid import reference_stats
+
+    extractor = classifier_extractor(args.classifier)
+    first = results[0]["images"]
+    reference = reference_stats(MNISTSource(root=args.data_root), image_size=first.shape[-1],
+                                channels=first.shape[1], extractor=extractor)  # fmt: skip
+    weights = resample_weights(len(first), args.resamples, seed=0)
+    base = next((r for r in results if r["row"] == "fp32_eager"), None)
+    for r in results:
+        features, logits = extractor(r["images"])
+        stats = SetStatistics(reference, features, logits=logits, labels=r["labels"])
+        r.update({k: v.as_dict() for k, v in bootstrap(stats, weights).items()})
+        if base is not None and r["batch_size"] == base["batch_size"]:
+            r["pixels_vs_fp32"] = pixel_difference(r["images"], base["images"])
 
 
 def table(results: list[dict]) -> str:
     base = next((r["images_per_s"] for r in results if r["row"] == "fp32_eager"), None)
-    lines = [f"{'row':<18}{'batch':>6}{'prec':>6}{'compile':>8}{'img/s':>10}{'vs fp32':>9}{'compile s':>11}"]
+    lines = [f"{'row':<18}{'batch':>6}{'prec':>6}{'compile':>8}{'img/s':>9}{'min-max':>14}{'vs fp32':>9}"
+             f"{'compile s':>10}{'cfid [95%]':>24}{'px differ':>10}{'mean':>6}{'max':>5}"]  # fmt: skip
     for r in results:
         ratio = f"{r['images_per_s'] / base:.2f}x" if base else "n/a"
         comp = "n/a" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        runs = r["images_per_s_runs"]
+        spread = f"{min(runs):.2f}-{max(runs):.2f}"
+        fid = f"{r['cfid']['value']:.2f} [{r['cfid']['low']:.2f}, {r['cfid']['high']:.2f}]" if "cfid" in r else "n/a"
+        px = r.get("pixels_vs_fp32")
+        pixels = f"{px['differ']:>10.2%}{px['mean']:>6.2f}{px['max']:>5}" if px else f"{'n/a':>10}{'':>6}{'':>5}"
         lines.append(f"{r['row']:<18}{r['batch_size']:>6}{r['precision']:>6}{r['compile']!s:>8}"
-                     f"{r['images_per_s']:>10.2f}{ratio:>9}{comp:>11}")  # fmt: skip
+                     f"{r['images_per_s']:>9.2f}{spread:>14}{ratio:>9}{comp:>10}{fid:>24}{pixels}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -119,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", default=None, help="a run's ema.pt/.ckpt/export folder (else --model, random)")
     parser.add_argument("--model", default="unet_mnist", help="a preset in conf/model/ (random weights)")
-    parser.add_argument("--sampler", choices=["ddim", "ddpm"], default="ddim")
+    parser.add_argument("--sampler", choices=list(SAMPLERS), default="ddim")
     parser.add_argument("--steps", type=int, default=20, help="sampler steps (network evaluations per batch)")
     parser.add_argument("--num-samples", type=int, default=512, help="images per row and repeat")
     parser.add_argument("--guidance", type=float, default=0.0, help="classifier-free guidance (conditional)")
@@ -127,6 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--classifier", default=None, help="TorchScript MNIST classifier: score each row's images")
+    parser.add_argument(
+        "--data-root", default=str(REPO.parent / "shared/data/mnist"), help="MNIST (the cfid reference)"
+    )
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the cfid interval")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sampling_<model>_<dev>)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
@@ -153,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append({**first, "images_per_s": statistics.median(r["images_per_s"] for r in runs[name]),
                         "images_per_s_runs": [r["images_per_s"] for r in runs[name]],
                         "compile_s": next((r["compile_s"] for r in runs[name] if r["compile_s"]), None)})  # fmt: skip
+    if args.classifier:
+        score(results, args)
+    for r in results:
+        del r["images"], r["labels"]
     label = Path(args.ckpt).stem if args.ckpt else args.model
     report = {"model": label, "parameters": sum(p.numel() for p in net.parameters()), "args": vars(args),
               "machine": machine(device), "rows": results}  # fmt: skip
