@@ -188,15 +188,17 @@ def bare_step(row: Row, net: nn.Module, diffusion: GaussianDiffusion, batches: I
 
 def bare_run(row: Row, step: Callable[[], float], *, steps: int, warmup: int) -> dict[str, float]:
     """A plain PyTorch loop; returns seconds per step and the data-wait seconds per step."""
-    total = wait = 0.0
+    total = wait = first = 0.0
     with nullcontext() if row.fused_attention else sdpa_kernel(SDPBackend.MATH):
         for i in range(warmup + steps):
             start = time.perf_counter()
             fetch = step()
+            if i == 0:
+                first = time.perf_counter() - start  # with compile: the compile (forward and backward graphs)
             if i >= warmup:
                 total += time.perf_counter() - start
                 wait += fetch
-    return {"step_s": total / steps, "wait_s": wait / steps}
+    return {"step_s": total / steps, "wait_s": wait / steps, "first_step_s": first}
 
 
 class StepTimer(pl.Callback):
@@ -239,7 +241,8 @@ def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup:
     resumed, ends, starts = timer.resumed[warmup:], timer.ends[warmup + 1 :], timer.starts[warmup + 1 :]
     spans = [e - r for r, e in zip(resumed, ends, strict=False)][:steps]
     waits = [s - r for r, s in zip(resumed, starts, strict=False)][:steps]
-    out: dict[str, Any] = {"step_s": sum(spans) / len(spans), "wait_s": sum(waits) / len(waits)}
+    out: dict[str, Any] = {"step_s": sum(spans) / len(spans), "wait_s": sum(waits) / len(waits),
+                           "first_step_s": timer.ends[0] - timer.starts[0]}  # fmt: skip
     if interleave is not None:  # bare[i] ran right before span i: per-step ratios of neighbours
         bare = timer.bare[warmup : warmup + len(spans)]
         out["paired_overhead"] = statistics.median(s / b - 1 for s, b in zip(spans, bare, strict=True))
@@ -333,13 +336,16 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
         "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "flops_per_step": flops, "mfu": None if peak is None or flops is None else flops / timing["step_s"] / peak,
         **{k: timing[k] for k in ("paired_overhead", "bare_step_s") if k in timing},
+        # the first step minus a steady one: the compile time of a compiled row (cold: the first repeat)
+        "compile_s": timing["first_step_s"] - timing["step_s"] if row.compile else None,
     }  # fmt: skip
 
 
 def median_run(runs: list[dict]) -> dict:
     """The run of median images/s (the upper median of an even count), with every repeat's figure attached."""
     ordered = sorted(runs, key=lambda r: r["images_per_s"])
-    return {**ordered[len(ordered) // 2], "images_per_s_runs": [r["images_per_s"] for r in runs]}
+    return {**ordered[len(ordered) // 2], "images_per_s_runs": [r["images_per_s"] for r in runs],
+            "compile_s": runs[0]["compile_s"], "compile_s_runs": [r["compile_s"] for r in runs]}  # fmt: skip
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
@@ -372,12 +378,16 @@ def table(results: list[dict]) -> str:
     def fmt(value: Any, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    lines = [f"{'row':<24}{'batch':>6}{'img/s':>10}{'ms/step':>10}{'s/60k':>9}{'wait':>7}{'peak MiB':>10}{'MFU':>7}"]
+    base = next((r for r in results if r["row"] == "disk_fp32"), results[0])  # the strict float32 starting point
+    lines = [f"{'row':<24}{'batch':>6}{'img/s':>10}{'min-max':>14}{'x ' + base['row']:>16}{'ms/step':>10}{'s/60k':>9}"
+             f"{'wait':>7}{'compile s':>10}{'peak MiB':>10}{'MFU':>7}"]  # fmt: skip
     for r in results:
+        runs = r.get("images_per_s_runs", [r["images_per_s"]])
         lines.append(
-            f"{r['row']:<24}{r['batch_size']:>6}{r['images_per_s']:>10.1f}{r['ms_per_step']:>10.2f}"
-            f"{r['s_per_60k_epoch']:>9.1f}{r['data_wait_fraction']:>7.1%}{fmt(r['peak_memory_mib'], '.0f'):>10}"
-            f"{fmt(r['mfu'], '.1%'):>7}"
+            f"{r['row']:<24}{r['batch_size']:>6}{r['images_per_s']:>10.1f}{f'{min(runs):.1f}-{max(runs):.1f}':>14}"
+            f"{r['images_per_s'] / base['images_per_s']:>15.2f}x{r['ms_per_step']:>10.2f}"
+            f"{r['s_per_60k_epoch']:>9.1f}{r['data_wait_fraction']:>7.1%}{fmt(r.get('compile_s'), '.1f'):>10}"
+            f"{fmt(r['peak_memory_mib'], '.0f'):>10}{fmt(r['mfu'], '.1%'):>7}"
         )
     return "\n".join(lines)
 
