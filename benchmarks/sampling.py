@@ -4,11 +4,12 @@
     python benchmarks/sampling.py --ckpt outputs/2026-11-23/12-00-00/ema.pt --steps 50 --guidance 2
 
 Rows (--rows, comma-separated; default all):
-  fp32_eager      today's default path before `precision`/`compile`: float32, eager, batch 256
+  fp32_eager      the default path before `precision`/`channels_last`/`compile`: float32, eager, NCHW, batch 256
   bf16            the network under bf16 autocast (generate's precision=bf16), batch 256
+  channels_last   NHWC weights (generate's channels_last=True), float32, batch 256
   compile         torch.compile (inductor, dynamic=False; a partial last batch padded), float32, batch 256
-  bf16_compile    both, batch 256
-  defaults        what sample.py now picks here: batch_size auto, precision auto, compile false
+  bf16_compile    bf16 and compile, batch 256
+  defaults        what sample.py now picks here: batch_size auto, precision auto, channels_last, compile false
   defaults_compile  the same with compile=true
 
 Rows are interleaved --repeats times (ABC CBA ...); the table shows medians and the min-max over repeats. A compiled
@@ -38,7 +39,13 @@ from report import machine, write_report  # benchmarks/report.py
 
 from ddpm.checkpoint import load_ema_model
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.diffusion.generate import compile_network, default_batch_size, generate, resolve_sampling_precision
+from ddpm.diffusion.generate import (
+    compile_network,
+    default_batch_size,
+    generate,
+    resolve_sampling_precision,
+    to_channels_last,
+)
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
@@ -52,15 +59,17 @@ class Row:
     precision: str = "32"  # 32 | bf16 | auto
     compile: bool = False
     batch_size: int | None = 256  # None: sample.py's auto
+    channels_last: bool = False
 
 
 ROWS = {
     "fp32_eager": Row(),
     "bf16": Row(precision="bf16"),
+    "channels_last": Row(channels_last=True),
     "compile": Row(compile=True),
     "bf16_compile": Row(precision="bf16", compile=True),
-    "defaults": Row(precision="auto", batch_size=None),
-    "defaults_compile": Row(precision="auto", compile=True, batch_size=None),
+    "defaults": Row(precision="auto", batch_size=None, channels_last=True),
+    "defaults_compile": Row(precision="auto", compile=True, batch_size=None, channels_last=True),
 }
 
 
@@ -92,22 +101,24 @@ def run_row(
                   guidance=args.guidance if guided else 0.0, seed=0, batch_size=batch, device=device,
                   precision=precision, compile=row.compile)  # fmt: skip
     compile_s = None
-    network = net
     n = min(batch, args.num_samples)
-    if not row.compile and (batch, precision) not in warmed:  # first use: one untimed batch (kernel set-up)
-        warmed.add((batch, precision))
-        generate(net=net, num_samples=n, labels=None if labels is None else labels[:n], **common)
-    if row.compile:
-        key = (min(batch, args.num_samples), precision)
-        if key not in compiled:  # compile once: one untimed batch (the compile time, reported)
-            compiled[key] = compile_network(net)
-            began = time.perf_counter()
-            # n: the timed run's network batch, so nothing recompiles while timed
-            generate(net=compiled[key], num_samples=n, labels=None if labels is None else labels[:n], **common)
-            compile_s = time.perf_counter() - began
-        network = compiled[key]
+    key = (n, precision, row.channels_last)
+    if row.channels_last not in compiled:  # the eager network of each layout, made once
+        compiled[row.channels_last] = to_channels_last(net) if row.channels_last else net
+    eager = compiled[row.channels_last]
+    if not row.compile and key not in warmed:  # first use: one untimed batch (kernel set-up)
+        warmed.add(key)
+        generate(net=eager, num_samples=n, labels=None if labels is None else labels[:n], **common)
+    if row.compile and key not in compiled:  # compile once: one untimed batch (the compile time, reported)
+        compiled[key] = compile_network(eager)
+        began = time.perf_counter()
+        # n: the timed run's network batch, so nothing recompiles while timed
+        generate(net=compiled[key], num_samples=n, labels=None if labels is None else labels[:n], **common)
+        compile_s = time.perf_counter() - began
+    network = compiled[key] if row.compile else eager
     out = generate(net=network, num_samples=args.num_samples, labels=labels, **common)
     return {"row": name, "batch_size": batch, "precision": precision, "compile": row.compile,
+            "channels_last": row.channels_last,
             "images_per_s": out.images_per_second, "seconds": out.seconds, "compile_s": compile_s,
             "images": out.images, "labels": out.labels}  # fmt: skip
 
@@ -141,7 +152,7 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
 
 def table(results: list[dict]) -> str:
     base = next((r["images_per_s"] for r in results if r["row"] == "fp32_eager"), None)
-    lines = [f"{'row':<18}{'batch':>6}{'prec':>6}{'compile':>8}{'img/s':>9}{'min-max':>14}{'vs fp32':>9}"
+    lines = [f"{'row':<18}{'batch':>6}{'prec':>6}{'NHWC':>6}{'compile':>8}{'img/s':>9}{'min-max':>14}{'vs fp32':>9}"
              f"{'compile s':>10}{'cfid [95%]':>24}{'px differ':>10}{'mean':>6}{'max':>5}"]  # fmt: skip
     for r in results:
         ratio = f"{r['images_per_s'] / base:.2f}x" if base else "n/a"
@@ -151,7 +162,7 @@ def table(results: list[dict]) -> str:
         fid = f"{r['cfid']['value']:.2f} [{r['cfid']['low']:.2f}, {r['cfid']['high']:.2f}]" if "cfid" in r else "n/a"
         px = r.get("pixels_vs_fp32")
         pixels = f"{px['differ']:>10.2%}{px['mean']:>6.2f}{px['max']:>5}" if px else f"{'n/a':>10}{'':>6}{'':>5}"
-        lines.append(f"{r['row']:<18}{r['batch_size']:>6}{r['precision']:>6}{r['compile']!s:>8}"
+        lines.append(f"{r['row']:<18}{r['batch_size']:>6}{r['precision']:>6}{r['channels_last']!s:>6}{r['compile']!s:>8}"
                      f"{r['images_per_s']:>9.2f}{spread:>14}{ratio:>9}{comp:>10}{fid:>24}{pixels}")  # fmt: skip
     return "\n".join(lines)
 

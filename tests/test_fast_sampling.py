@@ -26,6 +26,7 @@ from ddpm.diffusion.generate import (
     default_batch_size,
     generate,
     resolve_sampling_precision,
+    to_channels_last,
     to_uint8,
 )
 from ddpm.diffusion.samplers.base import network_call
@@ -178,6 +179,27 @@ def test_bf16_and_compiled_images_are_close_to_float32(sampler, guidance):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_channels_last_draws_the_same_images_from_an_nhwc_copy(precision):
+    """channels_last: the convolutions run NHWC (their output is channels_last) in a copy of the network; the
+    caller's module keeps its layout; the images are within float rounding of the NCHW run's."""
+    net = perturbed_unet()
+    formats = []
+    for conv in (m for m in net.modules() if isinstance(m, nn.Conv2d) and m.out_channels > 1):
+        conv.register_forward_hook(lambda m, i, o: formats.append(o.is_contiguous(memory_format=torch.channels_last)))
+    reference = drawing(net, DDIMSampler(steps=5), guidance=2.0, precision=precision)
+    assert formats and not any(formats)  # NCHW network: NCHW convolutions
+    formats.clear()
+    nhwc = drawing(net, DDIMSampler(steps=5), guidance=2.0, precision=precision, channels_last=True)
+    assert formats and all(formats)  # the copy (its hooks copied with it) ran NHWC convolutions
+    assert all(p.is_contiguous() for p in net.parameters())  # the caller's weights keep their layout
+    assert nhwc.is_contiguous() and nhwc.dtype == torch.uint8
+    mean, fraction = differences(nhwc, reference)
+    assert mean < 0.5 and fraction < 0.05, (mean, fraction)  # NHWC kernels add in another order
+    with pytest.raises(ValueError, match=r"before torch\.compile"):
+        to_channels_last(torch.compile(net))
+
+
 class CountingBackend:
     """A torch.compile backend that counts the graphs dynamo hands it (each compile or recompile is one) and
     the input shapes of each; runs them eagerly."""
@@ -235,7 +257,7 @@ def test_precision_and_batch_size_resolution(monkeypatch):
 
 def test_config_keys(tmp_path):
     cfg = compose("sample", ["ckpt=x", f"output_dir={tmp_path}"])
-    assert (cfg.batch_size, cfg.precision, cfg.compile) == ("auto", "auto", False)
+    assert (cfg.batch_size, cfg.precision, cfg.compile, cfg.channels_last) == ("auto", "auto", False, True)
     grid = instantiate(compose("train", [f"paths.output_dir={tmp_path}"]).callbacks.sample_grid)
     assert grid.precision == "auto"
     for name in ("inception", "classifier"):

@@ -135,6 +135,9 @@ def _sample(cfg: DictConfig) -> Generated:
     batch_size = resolve_batch_size(cfg.get("batch_size", "auto"), device, guided=guided)
     precision = resolve_sampling_precision(cfg.get("precision", "auto"), device)
     compiled = bool(cfg.get("compile", False))
+    channels_last = bool(cfg.get("channels_last", True))
+    if channels_last:  # in place: this network is sample.py's own; before compiling (the graph keeps the layout)
+        net = net.to(memory_format=torch.channels_last)
     out = generate_sharded(
         net=compile_network(net) if compiled else net,  # compiled once, for every batch and step
         betas=diffusion.betas64(),
@@ -158,7 +161,8 @@ def _sample(cfg: DictConfig) -> Generated:
     print(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
         f"{out.nfe} network evaluations per batch; batch {batch_size}, precision {precision}"
-        f"{', compiled' if compiled else ''}) -> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
+        f"{', channels_last' if channels_last else ''}{', compiled' if compiled else ''}) "
+        f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )
     if requested_metrics(cfg.get("metrics")):
         values = measure(out, cfg, loaded.config, device)
