@@ -16,6 +16,8 @@ Rows (--rows, comma-separated; default all):
   full                    the whole recipe at once: RAM, bf16, 4x batch, compile, channels_last, fused attention
   lightning_bf16          the same model through our Trainer (DiffusionModule + RAMDataModule), bf16-mixed
   lightning_full          the whole recipe through our Trainer (module.compile, module.channels_last, bf16-mixed)
+  lightning_compile       our Trainer with what experiment=mnist picks on a CPU with native bf16: bf16-mixed and
+                            compile (compile=auto), NCHW, the batch as given
   same_bare_fp32          identical settings pair: RAMDataModule loader, AdamW from ddpm.optim, grad clip 1.0,
   same_lightning_fp32       float32; bare loop vs Trainer -> the Lightning overhead (acceptance: within 5%)
   paired_fp32             the same pair step by step: a bare step right after every Lightning step, in one process;
@@ -93,6 +95,7 @@ ROWS = {
     "lightning_full": Row(
         "lightning", data="datamodule", precision="bf16", batch_mult=4, compile=True, channels_last=True
     ),
+    "lightning_compile": Row("lightning", data="datamodule", precision="bf16", compile=True),
     "same_bare_fp32": Row("bare", data="datamodule"),
     "same_lightning_fp32": Row("lightning", data="datamodule"),
     "paired_fp32": Row("paired", data="datamodule"),

@@ -35,6 +35,7 @@ SIZE = [
     "data.val_size=8",
     "callbacks.sample_grid.num_samples=4",
     "callbacks.sample_grid.sampler.steps=4",
+    "module.compile_backend=aot_eager",  # an experiment's compile (mnist: auto) traced, not inductor-built (minutes)
 ]
 # Models too big for 2 CPU cores, by model config name: narrower, same levels, attention and norms.
 SHRINK_MODEL = {

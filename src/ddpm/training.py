@@ -13,7 +13,7 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.checkpoint import export_ema
 from ddpm.checkpoint_io import AtomicCheckpointIO
 from ddpm.diffusion.generate import check_guidance
-from ddpm.precision import configure_precision, resolve_precision
+from ddpm.precision import configure_precision, resolve_compile, resolve_precision
 from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
 from ddpm.safetensors_io import save_ema_safetensors
 from ddpm.sweep import finish_wandb, name_wandb_run
@@ -41,11 +41,15 @@ def slurm_plugins(cfg: DictConfig) -> list[Any]:
 
 def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config as plain data, with every `auto` the project decides already decided
-    (trainer.precision: bf16-mixed or 32-true for this device); its types checked against the constructors."""
+    (trainer.precision: bf16-mixed or 32-true; compile: true or false, for this device); its types checked
+    against the constructors."""
     resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     trainer = resolved.get("trainer") or {}
     if "precision" in trainer:
         trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
+    for node, key in ((resolved, "compile"), (resolved.get("module") or {}, "compile")):
+        if isinstance(node.get(key), str):  # auto (a wrong word fails here, naming compile)
+            node[key] = resolve_compile(node[key], trainer.get("accelerator"))
     check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
     check_callback_guidance(resolved)
     return resolved
@@ -82,7 +86,9 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = instantiate(cfg.data)
     net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
-    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved)
+    # A partial, called with module.compile as decided (auto resolved above)
+    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved,
+                                                     compile=resolved["module"]["compile"])  # fmt: skip
     ema, callbacks = build_callbacks(cfg)
     configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
     trainer: pl.Trainer = instantiate(
