@@ -58,16 +58,9 @@ BEGIN, END = "<!-- benchmarks/samplers.py: begin -->", "<!-- benchmarks/samplers
 
 def get_classifier(args: argparse.Namespace) -> FeatureExtractor:
     """The classifier file given, or one trained here on --data-root (mnist_quality.py's recipe)."""
-    if args.classifier is not None:
-        return classifier_extractor(args.classifier)
-    from mnist_quality import train_classifier  # the sibling script (benchmarks/ is this script's folder)
+    from mnist_quality import classifier_file  # the sibling script (benchmarks/ is this script's folder)
 
-    from ddpm.metrics.classifier import save_torchscript
-
-    data = MNISTSource(root=args.data_root).load(image_size=32, channels=1)
-    model, held_out = train_classifier(data.images, data.labels, epochs=args.epochs, seed=0)
-    path = save_torchscript(model, args.save_classifier, image_size=32)
-    print(f"classifier trained (held-out accuracy {held_out:.3f}) -> {path}")
+    path = args.classifier or classifier_file(args.save_classifier, data_root=args.data_root, epochs=args.epochs)
     return classifier_extractor(path)
 
 
@@ -117,6 +110,20 @@ def interval(p: dict, scale: float = 1.0, spec: str = ".2f") -> str:
     return f"{scale * p['value']:{spec}} [{scale * p['low']:{spec}}, {scale * p['high']:{spec}}]"
 
 
+def fastest_within_noise(rows: list[dict]) -> tuple[str | None, dict[float, list[str]]]:
+    """The configurations whose cfid is not worse than DDPM-1000's beyond the noise (the paired ratio's interval
+    reaches 1 or lies below it), per guidance, and the fastest (fewest network calls) that is so at every guidance."""
+    ok: dict[float, list[str]] = {}
+    for r in rows:
+        if r.get("vs_ddpm1000") is not None and r["vs_ddpm1000"]["low"] <= 1.0:
+            ok.setdefault(r["guidance"], []).append(r["config"])
+    if not ok or len(ok) < len({r["guidance"] for r in rows}):
+        return None, ok
+    common = set.intersection(*(set(names) for names in ok.values()))
+    steps = {r["config"]: r["nfe"] for r in rows}
+    return (min(common, key=lambda name: steps[name]) if common else None), ok
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     tag = count_tag(meta["num_samples"])
     m = meta["machine"]
@@ -136,7 +143,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['config']} | {r['nfe']} | {r['guidance']:g} | {interval(r['cfid'])} | {ratio} | "
             f"{interval(r['ckid'], 1e3)} | {acc} | {r['images_per_s']:.2f} |"
         )
+    best, ok = fastest_within_noise(rows)
     lines += [
+        "",
+        "Within the noise of DDPM-1000 (paired cfid ratio's interval reaches 1 or lies below): "
+        + "; ".join(f"guidance {g:g}: {', '.join(names)}" for g, names in sorted(ok.items()))
+        + f". Fastest at every guidance: **{best or 'none'}**.",
         "",
         f"`{meta['command']}` (precision {meta['precision']}, compile {meta['compile']}, batch {meta['batch_size']});"
         f" cfid: classifier FID against the statistics of {meta['reference']}; ckid: classifier KID (unbiased "

@@ -19,9 +19,10 @@ or dpm_solver, DPM-Solver++) runs --steps steps. Writes JSON under benchmarks/re
 capability (AVX512/AMX: torch.backends.cpu.get_cpu_capability()), native bf16, torch version
 and git commit.
 
-Same images? With --classifier (benchmarks/mnist_quality.py --save-classifier) each row's images of its first repeat
-get a classifier FID with a 95% bootstrap interval (ddpm.metrics.bootstrap), and rows that draw the same noise as
-fp32_eager (same batch size: the initial noise is seeded per batch) are compared with its images pixel by pixel:
+Same images? With --classifier (a file of benchmarks/mnist_quality.py --save-classifier; trained here if missing)
+each row's images of its first repeat get a classifier FID with a 95% bootstrap interval (ddpm.metrics.bootstrap),
+and rows that draw the same noise as fp32_eager (same batch size: the initial noise is seeded per batch) are
+compared with its images pixel by pixel:
 the fraction of uint8 values that differ, their mean and largest difference.
 """
 
@@ -131,12 +132,15 @@ def pixel_difference(images: torch.Tensor, base: torch.Tensor) -> dict[str, floa
 
 def score(results: list[dict], args: argparse.Namespace) -> None:
     """cfid [95%] of every row's images and the pixel difference to fp32_eager's, added to the rows in place."""
+    from mnist_quality import classifier_file  # the sibling script
+
     from ddpm.data.sources import MNISTSource
     from ddpm.metrics.bootstrap import SetStatistics, bootstrap, resample_weights
     from ddpm.metrics.features import classifier_extractor
     from ddpm.metrics.fid import reference_stats
 
-    extractor = classifier_extractor(args.classifier)
+    path = classifier_file(args.classifier, data_root=args.data_root, epochs=args.classifier_epochs)
+    extractor = classifier_extractor(path)
     first = results[0]["images"]
     reference = reference_stats(MNISTSource(root=args.data_root), image_size=first.shape[-1],
                                 channels=first.shape[1], extractor=extractor)  # fmt: skip
@@ -179,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--classifier", default=None, help="TorchScript MNIST classifier: score each row's images")
+    parser.add_argument("--classifier", default=None, help="score each row's images with this TorchScript MNIST "
+                        "classifier (trained here and saved there if the file is missing)")  # fmt: skip
+    parser.add_argument("--classifier-epochs", type=int, default=4, help="epochs of a classifier trained here")
     parser.add_argument(
         "--data-root", default=str(REPO.parent / "shared/data/mnist"), help="MNIST (the cfid reference)"
     )

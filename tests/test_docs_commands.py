@@ -164,6 +164,10 @@ NOT_RUN = {
     "python benchmarks/samplers.py --ckpt outputs/<mnist run>/ema.pt --num-samples 10000 --device cuda": (
         "needs a GPU (and rewrites docs/benchmarks.md)"
     ),
+    "python benchmarks/samplers.py --ckpt outputs/<mnist run>/ema.pt --num-samples 500": (
+        "the sampler table: about two CPU-hours (resumable; rewrites docs/benchmarks.md)"
+    ),
+    "python benchmarks/peers.py": "needs the optional extra .[peers] (denoising-diffusion-pytorch); make test never does",
     "make test": "runs this suite (recursion)",
     "make test-fast": "runs this suite (recursion)",
     "make install": "pip install (network)",
@@ -210,6 +214,8 @@ THROUGHPUT_SHRINK = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--image
 # A 2-step model draws noise: --min-accuracy 0 turns off the quality gate of a real run (docs/mnist.md),
 # the rest of the script (MNIST classifier, held-out and sample accuracy, JSON) runs.
 QUALITY_SHRINK = ["--epochs", "1", "--min-accuracy", "0"]
+SAMPLING_SHRINK = ["--num-samples", "4", "--steps", "2", "--repeats", "1", "--rows", "fp32_eager,bf16,defaults",
+                   "--classifier-epochs", "1", "--resamples", "20"]  # fmt: skip
 
 # The run a documented placeholder stands for (FIXTURES below make them; each is itself a command).
 DEFAULT_RUN = "outputs/2026-11-23/10-00-00"  # `python train.py`'s run, where `ckpt_path=last` finds it
@@ -306,6 +312,8 @@ def shrunk(command: Command, sandbox: Path | str, tmp: Path | str, name: str) ->
         extra = [*THROUGHPUT_SHRINK, "--out", f"{run_dir}/throughput.json"]
     elif script == "benchmarks/mnist_quality.py":
         extra = [*QUALITY_SHRINK, "--out", f"{run_dir}/mnist_quality.json"]
+    elif script == "benchmarks/sampling.py":
+        extra = [*SAMPLING_SHRINK, "--out", f"{run_dir}/sampling.json"]
     return " ".join([text, *(shlex.quote(e) for e in extra)])
 
 
