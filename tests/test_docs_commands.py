@@ -167,7 +167,7 @@ NOT_RUN = {
     "python benchmarks/samplers.py --ckpt outputs/<mnist run>/ema.pt --num-samples 500": (
         "the sampler table: about two CPU-hours (resumable; rewrites docs/benchmarks.md)"
     ),
-    "python benchmarks/peers.py": "needs the optional extra .[peers] (denoising-diffusion-pytorch); make test never does",
+    "python benchmarks/peers.py": "needs the optional extra .[peers] (denoising-diffusion-pytorch)",
     "make test": "runs this suite (recursion)",
     "make test-fast": "runs this suite (recursion)",
     "make install": "pip install (network)",
