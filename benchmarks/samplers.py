@@ -39,7 +39,7 @@ from ddpm.diffusion.generate import class_cycle, default_batch_size, generate, r
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
-from ddpm.metrics.bootstrap import SetStatistics, bootstrap, paired_ratio, resample_weights
+from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, draws, paired_ratio, resample_weights
 from ddpm.metrics.features import FeatureExtractor, classifier_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, count_tag, kernel_distance, reference_stats
 
@@ -224,13 +224,14 @@ def save(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
 def with_intervals(rows: list[dict], stats: dict, args: argparse.Namespace) -> list[dict]:
     """Each row's bootstrap intervals, and its paired cfid ratio to ddpm1000 at the same guidance."""
     weights = resample_weights(args.num_samples, args.resamples, seed=args.seed)
+    drawn = {key: draws(s, weights) for key, s in stats.items()}  # once per row: its intervals and its ratio
     out = []
     for r in rows:
-        s = stats[(r["config"], r["guidance"])]
-        row = {**r, **{k: v.as_dict() for k, v in bootstrap(s, weights).items()}}
-        base = stats.get(("ddpm1000", r["guidance"]))
-        if base is not None:
-            row["vs_ddpm1000"] = paired_ratio(s, base, weights).as_dict()
+        key, base = (r["config"], r["guidance"]), ("ddpm1000", r["guidance"])
+        row = {**r, **{k: v.as_dict() for k, v in bootstrap(stats[key], weights, drawn=drawn[key]).items()}}
+        if base in stats:
+            ratio = paired_ratio(stats[key], stats[base], weights, drawn=(drawn[key], drawn[base]))
+            row["vs_ddpm1000"] = ratio.as_dict()
         out.append(row)
     return out
 
@@ -303,10 +304,10 @@ def main() -> None:
         save(args, meta, rows)
         print(f"{name:10}{out.nfe:>6}{guidance:>5g}  {rows[-1]['images_per_s']:.2f} images/s "
               f"({run['seconds']:.0f} s) -> {args.out}", flush=True)  # fmt: skip
-    stats = {}
+    stats, terms = {}, Reference.of(reference)  # the reference's terms, computed once for every row
     for r in rows:
         saved = torch.load(args.features_dir / r["features"], weights_only=True)
-        stats[(r["config"], r["guidance"])] = SetStatistics(reference, saved["features"], logits=saved["logits"],
+        stats[(r["config"], r["guidance"])] = SetStatistics(terms, saved["features"], logits=saved["logits"],
                                                             labels=saved["labels"])  # fmt: skip
     final = order(with_intervals(rows, stats, args))
     for r in final:

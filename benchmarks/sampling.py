@@ -135,7 +135,7 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
     from mnist_quality import classifier_file  # the sibling script
 
     from ddpm.data.sources import MNISTSource
-    from ddpm.metrics.bootstrap import SetStatistics, bootstrap, resample_weights
+    from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, resample_weights
     from ddpm.metrics.features import classifier_extractor
     from ddpm.metrics.fid import reference_stats
 
@@ -145,10 +145,11 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
     reference = reference_stats(MNISTSource(root=args.data_root), image_size=first.shape[-1],
                                 channels=first.shape[1], extractor=extractor)  # fmt: skip
     weights = resample_weights(len(first), args.resamples, seed=0)
+    terms = Reference.of(reference)  # once for every row
     base = next((r for r in results if r["row"] == "fp32_eager"), None)
     for r in results:
         features, logits = extractor(r["images"])
-        stats = SetStatistics(reference, features, logits=logits, labels=r["labels"])
+        stats = SetStatistics(terms, features, logits=logits, labels=r["labels"])
         r.update({k: v.as_dict() for k, v in bootstrap(stats, weights).items()})
         if base is not None and r["batch_size"] == base["batch_size"]:
             r["pixels_vs_fp32"] = pixel_difference(r["images"], base["images"])

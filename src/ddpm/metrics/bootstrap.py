@@ -40,55 +40,74 @@ class Percentiles:
         return {"value": self.value, "low": self.low, "high": self.high}
 
 
+@dataclass(frozen=True)
+class Reference:
+    """What every set's statistics need from the reference, computed once: mu_r, S_r^1/2, tr S_r and the KID
+    reference features with their kernel's mean over distinct pairs."""
+
+    mu: Tensor  # (D,)
+    cov_sqrt: Tensor  # (D, D)
+    trace: float
+    kid_features: Tensor  # (M, D)
+    kid_rr: float
+
+    @classmethod
+    def of(cls, reference: FeatureStats, *, kid_reference: int = 2000) -> "Reference":
+        mu = reference.features_sum / reference.num
+        cov = (reference.cov_sum - reference.num * torch.outer(mu, mu)) / (reference.num - 1)
+        r = reference.kid_features[:kid_reference].double()
+        k_rr, m = _kernel(r, r), len(r)
+        kid_rr = float((k_rr.sum() - k_rr.diagonal().sum()) / (m * (m - 1)))
+        return cls(mu=mu, cov_sqrt=_sqrtm_psd(cov), trace=float(cov.trace()), kid_features=r, kid_rr=kid_rr)
+
+
+def _kernel(x: Tensor, y: Tensor) -> Tensor:
+    """KID's cubic polynomial kernel (x.y / D + 1)^3."""
+    return (x @ y.T / x.shape[1] + 1) ** 3
+
+
 class SetStatistics:
     """FID, KID and accuracy of one generated set (features (N, D), optional logits (N, K) and labels (N,)) under
-    resampling weights w (N,); w = 1 gives the plain statistics (FID equal to metrics.fid.frechet_distance)."""
+    resampling weights w (N,); w = 1 gives the plain statistics (FID equal to metrics.fid.frechet_distance).
+    `reference`: FeatureStats, or a Reference made once for many sets."""
 
     def __init__(
         self,
-        reference: FeatureStats,
+        reference: FeatureStats | Reference,
         features: Tensor,
         *,
         logits: Tensor | None = None,
         labels: Tensor | None = None,
         kid_reference: int = 2000,
     ) -> None:
+        ref = reference if isinstance(reference, Reference) else Reference.of(reference, kid_reference=kid_reference)
         f = features.double().cpu()
-        n, d = f.shape
-        self.n, self.d = n, d
-        self.mu_r = reference.features_sum / reference.num
-        cov_r = (reference.cov_sum - reference.num * torch.outer(self.mu_r, self.mu_r)) / (reference.num - 1)
-        self.trace_r = float(cov_r.trace())
-        self.g = f @ _sqrtm_psd(cov_r)  # (N, D): G = F S_r^1/2
-        self.f = f
-        r = reference.kid_features[:kid_reference].double()
-        k_rr = self._kernel(r, r)
-        m = len(r)
-        self.kid_rr = float((k_rr.sum() - k_rr.diagonal().sum()) / (m * (m - 1)))
-        self.k_ff = self._kernel(f, f)  # (N, N)
-        self.k_fr_mean = self._kernel(f, r).mean(1)  # (N,)
+        self.n, self.d = f.shape
+        self.ref, self.f = ref, f
+        g = f @ ref.cov_sqrt  # (N, D): G = F S_r^1/2
+        self.gram_g = g @ g.T  # (N, N): G G^T, so a resample costs O(N^2) before its eigvalsh
+        self.sq_norms = (f * f).sum(1)  # (N,) |f_i|^2
+        self.k_ff = _kernel(f, f)  # (N, N)
+        self.k_fr_mean = _kernel(f, ref.kid_features).mean(1)  # (N,)
         self.correct = None
         if logits is not None and labels is not None:
             self.correct = (logits.argmax(1).cpu() == labels.cpu()).double()
 
-    def _kernel(self, x: Tensor, y: Tensor) -> Tensor:
-        return (x @ y.T / self.d + 1) ** 3
-
     def fid(self, w: Tensor) -> float:
         n = self.n
         mu_w = (w @ self.f) / n
-        m = (w @ self.g) / n
-        centred = self.g - m
+        s = self.gram_g @ w / n  # G m, m = G^T w / n
+        centred = self.gram_g - s[:, None] - s[None, :] + (w @ s) / n  # (G - 1 m^T)(G - 1 m^T)^T
         root_w = w.sqrt()
-        gram = (root_w[:, None] * (centred @ centred.T) * root_w[None, :]) / (n - 1)
+        gram = root_w[:, None] * centred * root_w[None, :] / (n - 1)
         cross = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().sum()
-        trace_w = float((w * ((self.f - mu_w) ** 2).sum(1)).sum()) / (n - 1)
-        return float(((self.mu_r - mu_w) ** 2).sum()) + self.trace_r + trace_w - 2 * float(cross)
+        trace_w = (float(w @ self.sq_norms) - n * float(mu_w @ mu_w)) / (n - 1)
+        return float(((self.ref.mu - mu_w) ** 2).sum()) + self.ref.trace + trace_w - 2 * float(cross)
 
     def kid(self, w: Tensor) -> float:
         pairs = w.sum() ** 2 - (w**2).sum()
         k_ff = (w @ self.k_ff @ w - (w**2 * self.k_ff.diagonal()).sum()) / pairs
-        return float(k_ff) + self.kid_rr - 2 * float(w @ self.k_fr_mean) / self.n
+        return float(k_ff) + self.ref.kid_rr - 2 * float(w @ self.k_fr_mean) / self.n
 
     def accuracy(self, w: Tensor) -> float | None:
         return None if self.correct is None else float(w @ self.correct) / self.n
@@ -118,25 +137,45 @@ def percentile_interval(value: float, draws: list[float], *, level: float = 0.95
     return Percentiles(value=value, low=value - (q_mid - q_lo), high=value + (q_hi - q_mid))
 
 
-def bootstrap(stats: SetStatistics, weights: Tensor, *, level: float = 0.95) -> dict[str, Percentiles]:
-    """Every statistic of `stats` on the full set, with its percentile interval over the resamples `weights`."""
-    full = stats.all(torch.ones(stats.n, dtype=torch.float64))
-    draws = [stats.all(w) for w in weights]
+def draws(stats: SetStatistics, weights: Tensor) -> dict[str, Tensor]:
+    """Every statistic of `stats` under each resample of `weights` (B, N): {name: (B,) float64}. Computed once per
+    set, they serve its own intervals and every paired ratio it takes part in."""
+    rows = [stats.all(w) for w in weights]
     return {
-        name: percentile_interval(value, [d[name] for d in draws], level=level)
+        name: torch.tensor([r[name] for r in rows], dtype=torch.float64)
+        for name in rows[0]
+        if rows[0][name] is not None
+    }
+
+
+def bootstrap(
+    stats: SetStatistics, weights: Tensor, *, level: float = 0.95, drawn: dict[str, Tensor] | None = None
+) -> dict[str, Percentiles]:
+    """Every statistic of `stats` on the full set, with its interval over the resamples `weights` (or `drawn`,
+    draws(stats, weights) computed before)."""
+    full = stats.all(torch.ones(stats.n, dtype=torch.float64))
+    drawn = draws(stats, weights) if drawn is None else drawn
+    return {
+        name: percentile_interval(value, drawn[name].tolist(), level=level)
         for name, value in full.items()
         if value is not None
     }
 
 
 def paired_ratio(
-    a: SetStatistics, b: SetStatistics, weights: Tensor, *, metric: Literal["fid", "kid"] = "fid", level: float = 0.95
+    a: SetStatistics,
+    b: SetStatistics,
+    weights: Tensor,
+    *,
+    metric: Literal["fid", "kid"] = "fid",
+    level: float = 0.95,
+    drawn: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None,
 ) -> Percentiles:
-    """metric(a) / metric(b) with a paired percentile interval: both sets resampled with the same counts (their
-    image i shares its seed and label), so what the two have in common cancels."""
-
-    def ratio(w: Tensor) -> float:
-        return getattr(a, metric)(w) / getattr(b, metric)(w)
-
-    value = ratio(torch.ones(a.n, dtype=torch.float64))
-    return percentile_interval(value, [ratio(w) for w in weights], level=level)
+    """metric(a) / metric(b) with a paired interval: both sets resampled with the same counts (their image i
+    shares its seed and label), so what the two have in common cancels. `drawn`: (draws(a, weights),
+    draws(b, weights)) computed before."""
+    name = "c" + metric
+    ones = torch.ones(a.n, dtype=torch.float64)
+    value = getattr(a, metric)(ones) / getattr(b, metric)(ones)
+    drawn_a, drawn_b = (draws(a, weights), draws(b, weights)) if drawn is None else drawn
+    return percentile_interval(value, (drawn_a[name] / drawn_b[name]).tolist(), level=level)
