@@ -229,9 +229,10 @@ class StepTimer(pl.Callback):
 
 
 def lightning_run(row: Row, net: UNet, dm: RAMDataModule, *, steps: int, warmup: int, device: torch.device,
-                  interleave: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
+                  interleave: Callable[[], float] | None = None,
+                  backend: str = "inductor") -> dict[str, Any]:  # fmt: skip
     module = DiffusionModule(net=net, diffusion=GaussianDiffusion(), optim=AdamW(lr=1e-4, warmup_steps=0),
-                             compile=row.compile, channels_last=row.channels_last)  # fmt: skip
+                             compile=row.compile, compile_backend=backend, channels_last=row.channels_last)  # fmt: skip
     timer = StepTimer(device, interleave)
     trainer = pl.Trainer(
         accelerator=device.type, devices=1, precision="bf16-mixed" if row.precision == "bf16" else "32-true",
@@ -300,7 +301,7 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
     if row.channels_last and row.runner == "bare":
         net = net.to(memory_format=torch.channels_last)
     if row.compile and row.runner == "bare":  # the Lightning rows compile in DiffusionModule.configure_model
-        net.compile()
+        net.compile(backend=args.compile_backend)
     diffusion = GaussianDiffusion().to(device)
     dm = None
     if row.data == "datamodule":
@@ -315,7 +316,8 @@ def run_row(name: str, row: Row, base: UNet, data: ImageSet, args: argparse.Name
     elif row.runner in ("lightning", "paired"):
         twin = bare_step(row, copy.deepcopy(base).to(device), diffusion, endless(dm.train_dataloader()),  # type: ignore[union-attr]
                          device=device, dm=dm) if row.runner == "paired" else None  # fmt: skip
-        timing = lightning_run(row, net, dm, steps=args.steps, warmup=warmup, device=device, interleave=twin)  # type: ignore[arg-type]
+        timing = lightning_run(row, net, dm, steps=args.steps, warmup=warmup, device=device, interleave=twin,  # type: ignore[arg-type]
+                               backend=args.compile_backend)  # fmt: skip
     else:
         if row.data == "disk":
             loader = DataLoader(PNGFolder(data, folder), batch_size=batch, shuffle=True, drop_last=True,
@@ -408,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row, interleaved (ABC CBA ...); medians")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput_<model>_<dev>)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]

@@ -210,7 +210,9 @@ RESUME_SHRINK = ["trainer.max_steps=4"]  # the checkpoint is at step 2: two more
 OPTUNA_SHRINK = ["hydra.sweeper.n_trials=2"]  # (a fixed data.batch_size is left out of the search)
 LR_FIND_SHRINK = ["tune.lr_find.num_steps=8"]
 SAMPLE_SHRINK = ["num_samples=4", "sampler.steps=2", "batch_size=4"]
-THROUGHPUT_SHRINK = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--images", "64", "--batch-size", "8"]
+# compile rows traced by dynamo (aot_eager), not built by inductor (minutes on 2 cores)
+THROUGHPUT_SHRINK = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--images", "64", "--batch-size", "8",
+                     "--compile-warmup", "1", "--compile-backend", "aot_eager"]  # fmt: skip
 # A 2-step model draws noise: --min-accuracy 0 turns off the quality gate of a real run (docs/mnist.md),
 # the rest of the script (MNIST classifier, held-out and sample accuracy, JSON) runs.
 QUALITY_SHRINK = ["--epochs", "1", "--min-accuracy", "0"]
