@@ -68,7 +68,8 @@ def classifier_file(path: Path, *, data_root: str, epochs: int = 4) -> Path:
     if Path(path).is_file():
         return Path(path)
     data = MNISTSource(root=data_root).load(image_size=32, channels=1)
-    model, held_out = train_classifier(data.images, data.labels, epochs=epochs, seed=0)
+    with torch.enable_grad():  # callers may sit inside torch.no_grad (sampling.py's scoring)
+        model, held_out = train_classifier(data.images, data.labels, epochs=epochs, seed=0)
     saved = save_torchscript(model, path, image_size=32)
     print(f"classifier trained (held-out accuracy {held_out:.3f}) -> {saved}")
     return saved

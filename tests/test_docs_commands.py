@@ -168,6 +168,12 @@ NOT_RUN = {
         "the sampler table: about two CPU-hours (resumable; rewrites docs/benchmarks.md)"
     ),
     "python benchmarks/peers.py": "needs the optional extra .[peers] (denoising-diffusion-pytorch)",
+    "python benchmarks/throughput.py --model unet_mnist --batch-size 64 --steps 10 --warmup 2 --compile-warmup 2": (
+        "the CPU recipe benchmark: compiles and traces unet_mnist for minutes (run by hand; JSON committed)"
+    ),
+    "python benchmarks/throughput.py --model seed_mnist --batch-size 32": (
+        "seed_mnist's 7-10 s steps: minutes (run by hand; JSON committed)"
+    ),
     "make test": "runs this suite (recursion)",
     "make test-fast": "runs this suite (recursion)",
     "make install": "pip install (network)",

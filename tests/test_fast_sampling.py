@@ -276,6 +276,6 @@ def test_sample_py_bf16_compiled_guided(tmp_path):
     result = sample(f"ckpt={run}/ema.pt", "precision=bf16", "compile=true", "num_samples=5", "batch_size=4",
                     "sampler=ddim", "sampler.steps=4", "guidance=2", "device=cpu", f"output_dir={out}",
                     timeout=900)  # fmt: skip
-    assert "precision bf16, compiled" in result.stdout
+    assert "precision bf16, channels_last, compiled" in result.stdout
     images = np.load(out / "samples.npz")["images"]
     assert images.shape[0] == 5 and images.dtype == np.uint8
