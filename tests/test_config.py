@@ -4,6 +4,7 @@ Options are found on disk (conf/<group>/*.yaml), so a new option is tested witho
 a new group fails `test_every_group_has_a_check` until it gets one.
 """
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from helpers import CONF
+from helpers import CONF, REPO
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -248,7 +249,24 @@ def test_sample_config_defaults(compose_cfg: Compose) -> None:
     cfg = compose_cfg("sample")
     assert cfg.ckpt is None and cfg.labels is None
     assert cfg.hydra.runtime.choices["sampler"] == "ddpm"
-    assert instantiate(cfg.sampler).steps is None  # all T steps unless asked
+    assert len(instantiate(cfg.sampler).timesteps(1000)) == 250  # respaced; sampler.steps=null: all T
+    assert instantiate(compose_cfg("sample", ["sampler.steps=null"]).sampler).timesteps(1000).tolist() == list(
+        range(1000)
+    )
+
+
+def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compose) -> None:
+    """sample.py's default sampler is the committed sampler table's fastest configuration (fewest network calls)
+    whose classifier FID is within the noise of DDPM-1000's (paired ratio's 95% interval reaches 1 or lies below)
+    at every guidance weight measured: benchmarks/results/samplers.json, docs/benchmarks.md."""
+    rows = json.loads((REPO / "benchmarks/results/samplers.json").read_text())["rows"]
+    guidances = {r["guidance"] for r in rows}
+    ok = [{r["config"] for r in rows if r["guidance"] == w and r["vs_ddpm1000"]["low"] <= 1.0} for w in guidances]
+    fastest = min(set.intersection(*ok), key=lambda c: next(r["nfe"] for r in rows if r["config"] == c))
+    row = next(r for r in rows if r["config"] == fastest)
+    sampler = instantiate(compose_cfg("sample").sampler)
+    assert len(guidances) >= 2 and {r["config"] for r in rows} >= {"ddpm1000", "dpm++20"}  # the table is whole
+    assert (type(sampler).__name__, sampler.steps) == (row["sampler"], row["steps"]) == ("DDPMSampler", 250)
 
 
 # --- experiments --------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def respaced_timesteps(num_timesteps: int, steps: int) -> Tensor:
     if not 1 <= steps <= num_timesteps:
         raise ValueError(
             f"sampler.steps={steps} must be between 1 and the model's T={num_timesteps}; "
-            f"set sampler.steps to at most {num_timesteps}"
+            f"set sampler.steps to at most {num_timesteps} (sampler.steps=null: all of them)"
         )
     if steps == 1:
         return torch.tensor([num_timesteps - 1])
