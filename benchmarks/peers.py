@@ -35,7 +35,10 @@ eps = (1 + w) eps_cond - w eps_null, i.e. cond_scale = guidance_scale = 1 + w fo
 --sample-batch images (default: sample.py's CPU/GPU default, the same for every tool). Each figure is the median
 over --repeats, [min-max] beside it: that spread is the run-to-run noise. "x ours" is a tool's median over
 this project's. "warm-up s": the untimed first training step + first sampling batch (with --compile, the
-compile time). The summary says, per column, whether this project is first and by more than the noise.
+compile time). The summary says, per column, whether this project is first and by more than the noise, two
+ways: the margin of the medians against the largest [min-max] spread of any row (strict: one outlier repeat of
+any tool widens it), and the paired ratios ours / best peer within each repeat (the rows of one repeat saw the
+same machine): ahead in every repeat is beyond the noise.
 
 Order: every row gets one untimed training step and one untimed sampling batch before the first repeat (oneDNN
 kernel set-up; with --compile the compilation, reported as warm-up seconds), then the repeats run all rows,
@@ -397,12 +400,17 @@ def verdict(results: list[dict[str, Any]], column: str) -> dict[str, Any] | None
     best = max(peers, key=lambda r: r[f"{column}_images_per_s"])
     margin = ours[f"{column}_images_per_s"] / best[f"{column}_images_per_s"] - 1
     noise = max(r[f"{column}_spread"] for r in results) if len(ours[f"{column}_runs"]) > 1 else None
+    # ours / best peer within each repeat (rows interleaved, so both saw the same state of the machine)
+    paired = [o / b for o, b in zip(ours[f"{column}_runs"], best[f"{column}_runs"], strict=True)]
     return {
         "best_peer": best["tool"],
         "margin": margin,
         "noise": noise,
         "ours_first": margin > 0,
         "beyond_noise": None if noise is None else margin > noise,  # None: one repeat measures no noise
+        "paired_ratios": paired,
+        "ahead_in": sum(p > 1 for p in paired),  # of len(paired) repeats
+        "beyond_noise_paired": None if len(paired) < 2 else min(paired) > 1,  # ahead in every repeat
     }
 
 
@@ -411,8 +419,10 @@ def verdict_line(v: dict[str, Any]) -> str:
     if v["noise"] is None:
         return f"ours {first} (best peer {v['best_peer']}, margin {v['margin']:+.1%}; noise unknown: --repeats 1)"
     beyond = "beyond" if v["beyond_noise"] else "within"
+    paired = v["paired_ratios"]
     return (
-        f"ours {first} (best peer {v['best_peer']}, margin {v['margin']:+.1%}, noise {v['noise']:.1%}: {beyond} noise)"
+        f"ours {first} (best peer {v['best_peer']}, margin {v['margin']:+.1%}, noise {v['noise']:.1%}: {beyond} noise;"
+        f" paired per repeat {min(paired):.2f}-{max(paired):.2f}x, ahead in {v['ahead_in']} of {len(paired)})"
     )
 
 

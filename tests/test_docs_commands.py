@@ -224,6 +224,7 @@ THROUGHPUT_SHRINK = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--image
 QUALITY_SHRINK = ["--epochs", "1", "--min-accuracy", "0"]
 SAMPLING_SHRINK = ["--num-samples", "4", "--steps", "2", "--repeats", "1", "--rows", "fp32_eager,bf16,defaults",
                    "--classifier-epochs", "1", "--resamples", "20"]  # fmt: skip
+SAMPLE_DEFAULTS_SHRINK = ["--num-samples", "2", "--repeats", "1", "--set", "sampler.steps=2"]  # both rows: 2 steps
 
 # The run a documented placeholder stands for (FIXTURES below make them; each is itself a command).
 DEFAULT_RUN = "outputs/2026-11-23/10-00-00"  # `python train.py`'s run, where `ckpt_path=last` finds it
@@ -322,6 +323,8 @@ def shrunk(command: Command, sandbox: Path | str, tmp: Path | str, name: str) ->
         extra = [*QUALITY_SHRINK, "--out", f"{run_dir}/mnist_quality.json"]
     elif script == "benchmarks/sampling.py":
         extra = [*SAMPLING_SHRINK, "--out", f"{run_dir}/sampling.json"]
+    elif script == "benchmarks/sample_defaults.py":
+        extra = [*SAMPLE_DEFAULTS_SHRINK, "--out", f"{run_dir}/sample_defaults.json"]
     return " ".join([text, *(shlex.quote(e) for e in extra)])
 
 
