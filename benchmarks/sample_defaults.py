@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from report import REPO, machine, write_report
 
+from ddpm.sampling import resolve_device
+
 ROWS = {
     "before": {"sampler.steps": "null", "precision": "32", "channels_last": "false", "batch_size": "256"},
     "now": {},
@@ -121,7 +123,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     rows = measure(args)
-    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)  # the device sample.py ran on
     info = {**machine(device), "threads": args.threads or torch.get_num_threads()}
     print(f"\nsample.py before and after ({args.num_samples} images, guidance {args.guidance}, {info['cpu']}, "
           f"{info['cpu_capability']}, {info['threads']} threads)\n")  # fmt: skip
