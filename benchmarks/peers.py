@@ -68,9 +68,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddpm.data.sources import DigitsSource, ImageSet, MNISTSource
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.diffusion.generate import compile_network, default_batch_size, generate
+from ddpm.diffusion.generate import compile_network, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.precision import native_bf16
+from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_HINT = "pip install -e '.[peers]'"
@@ -178,7 +179,7 @@ def build_ours(setup: Setup, batches: Iterator[tuple[Tensor, Tensor]]) -> Tool:
             seed=0,
             batch_size=setup.sample_batch,
             device=setup.device,
-            precision="auto",
+            precision=resolve_sampling_precision("auto", setup.device),
             compile=setup.compile,
         ).images
 

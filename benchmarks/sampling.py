@@ -38,18 +38,13 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from report import machine, write_report  # benchmarks/report.py
 
-from ddpm.checkpoint import load_ema_model
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.diffusion.generate import (
-    compile_network,
-    default_batch_size,
-    generate,
-    resolve_sampling_precision,
-    to_channels_last,
-)
+from ddpm.diffusion.generate import compile_network, generate, to_channels_last
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
+from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
+from ddpm.weights import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLERS = {"ddim": DDIMSampler, "ddpm": DDPMSampler, "dpm_solver": DPMSolverSampler}
@@ -77,7 +72,7 @@ ROWS = {
 def load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, GaussianDiffusion]:
     """The checkpoint's EMA network, or a preset from conf/model/ with random weights (and the default schedule)."""
     if args.ckpt:
-        loaded = load_ema_model(args.ckpt, device)
+        loaded = load_model(args.ckpt, device)
         return loaded.net.eval(), loaded.diffusion
     torch.manual_seed(0)
     net = instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))

@@ -14,6 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+os.environ["DDPM_STRICT_CONFIG"] = "1"  # in-process train()/sample() too: an unchecked config key is an error
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers share the 2 cores: one torch thread each
     torch.set_num_threads(1)
 

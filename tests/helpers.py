@@ -28,6 +28,7 @@ _WANDB_HOME = Path(tempfile.gettempdir()) / "ddpm-tests-wandb"
 ENV = {
     "OMP_NUM_THREADS": "1",  # 2 cores shared by the suite; also keeps forked writers out of OpenMP
     "HYDRA_FULL_ERROR": "1",
+    "DDPM_STRICT_CONFIG": "1",  # a config the validator cannot fully check is an error in tests, not a warning
     "WANDB_MODE": "offline",  # no default command may reach W&B's login prompt
     "WANDB_SILENT": "true",
     **{f"WANDB_{k}": str(_WANDB_HOME / k.lower()) for k in ("DIR", "CACHE_DIR", "CONFIG_DIR", "DATA_DIR")},

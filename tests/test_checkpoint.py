@@ -1,4 +1,5 @@
-"""ddpm.checkpoint: safe loading with errors that say what to do, the _target_ allow-list, atomic saves, EMA export."""
+"""ddpm.weights (torch files): safe loading with errors that say what to do, the _target_ allow-list, atomic
+saves, EMA export."""
 
 import os
 import re
@@ -10,19 +11,12 @@ import torch
 import yaml
 from helpers import CONF
 
-from ddpm import checkpoint
-from ddpm.callbacks.ema import CHECKPOINT_KEY
-from ddpm.checkpoint import (
-    EXPORT_FORMAT,
-    CheckpointError,
-    atomic_save,
-    export_ema,
-    instantiate_local,
-    load_checkpoint,
-    load_ema_model,
-)
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
+from ddpm.weights import CheckpointError, atomic, load_model
+from ddpm.weights.atomic import atomic_save
+from ddpm.weights.model import CHECKPOINT_KEY, instantiate_local
+from ddpm.weights.torch_file import EXPORT_FORMAT, export_ema, load_checkpoint
 
 
 def run_config() -> dict:
@@ -127,9 +121,9 @@ def test_pickled_code_is_refused_not_run(tmp_path: Path) -> None:
     "node",
     [
         {"_target_": "os.system", "_args_": ["echo pwned"]},
-        {"_target_": "ddpm.checkpoint.os.system", "_args_": ["echo pwned"]},  # starts with "ddpm." but is os.system
+        {"_target_": "ddpm.weights.atomic.os.system", "_args_": ["echo pwned"]},  # starts with "ddpm." but is os.system
         {"_target_": "ddpm_evil.Thing"},  # a look-alike package
-        {"_target_": "ddpm.checkpoint.atomic_save", "obj": 1, "path": "/tmp/x"},  # a ddpm function, not a class
+        {"_target_": "ddpm.weights.atomic.atomic_save", "obj": 1, "path": "/tmp/x"},  # a ddpm function, not a class
         {"_target_": "ddpm.models.unet.UNet", "extra": {"_target_": "subprocess.run", "args": ["true"]}},
         {"_target_": "ddpm.models.unet.UNet", "hooks": [{"_target_": "builtins.exec", "_args_": ["1"]}]},
         {"_target_": "ddpm.models.unet.DoesNotExist"},
@@ -139,7 +133,7 @@ def test_pickled_code_is_refused_not_run(tmp_path: Path) -> None:
 def test_instantiate_local_refuses_foreign_targets(node: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[object] = []
     monkeypatch.setattr(os, "system", lambda *args: calls.append(args))
-    monkeypatch.setattr(checkpoint, "atomic_save", lambda *args, **kwargs: calls.append(args))
+    monkeypatch.setattr(atomic, "atomic_save", lambda *args, **kwargs: calls.append(args))
     with pytest.raises(CheckpointError, match="outside lightning-ddpm"):
         instantiate_local(node)
     assert calls == []
@@ -188,14 +182,14 @@ def test_atomic_save_replaces_and_cleans_up(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["ema.pt"]  # no .ema.pt.tmp-<pid> left over
 
 
-# --- export_ema + load_ema_model ------------------------------------------------------------------------
+# --- export_ema + load_model ------------------------------------------------------------------------
 
 
 def test_export_and_load_round_trip_exactly(ema_file: tuple[Path, UNet, dict]) -> None:
     path, net, config = ema_file
     raw = torch.load(path, weights_only=True)
     assert raw["format"] == EXPORT_FORMAT and raw["config"] == config
-    loaded = load_ema_model(path)
+    loaded = load_model(path)
     assert loaded.config == config
     original, restored = net.state_dict(), loaded.net.state_dict()
     assert original.keys() == restored.keys()
@@ -231,7 +225,7 @@ def test_load_ema_model_from_a_lightning_style_checkpoint(tmp_path: Path) -> Non
         CHECKPOINT_KEY: net.state_dict(),
     }
     torch.save(lightning_like, path)
-    loaded = load_ema_model(path)
+    loaded = load_model(path)
     assert all(torch.equal(loaded.net.state_dict()[k], v) for k, v in net.state_dict().items())
 
 
@@ -242,11 +236,11 @@ def test_load_ema_model_rejects_mismatched_or_configless_files(tmp_path: Path, m
     wider = config | {"model": config["model"] | {"base_channels": 64}}
     path = export_ema(tmp_path / "wrong.pt", state, wider)
     with raises_naming(path, "do not fit"):
-        load_ema_model(path)
+        load_model(path)
     torch.save({CHECKPOINT_KEY: state}, tmp_path / "bare.pt")
     with pytest.raises(CheckpointError, match="no run config"):
-        load_ema_model(tmp_path / "bare.pt")
-    evil = config | {"model": {"_target_": "ddpm.checkpoint.os.system", "_args_": ["echo pwned"]}}
+        load_model(tmp_path / "bare.pt")
+    evil = config | {"model": {"_target_": "ddpm.weights.atomic.os.system", "_args_": ["echo pwned"]}}
     path = export_ema(tmp_path / "evil.pt", state, evil)
     with pytest.raises(CheckpointError, match="outside lightning-ddpm"):
-        load_ema_model(path)
+        load_model(path)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ddpm.config_doc import DOC, load, render, undocumented
+from ddpm.config.doc import DOC, load, render, undocumented
 
 
 def test_every_option_and_key_is_documented() -> None:
@@ -14,7 +14,7 @@ def test_every_option_and_key_is_documented() -> None:
 
 
 def test_configuration_md_is_up_to_date() -> None:
-    assert DOC.is_file() and DOC.read_text() == render(), "docs/configuration.md is stale: python -m ddpm.config_doc"
+    assert DOC.is_file() and DOC.read_text() == render(), "docs/configuration.md is stale: python -m ddpm.config.doc"
 
 
 def test_a_new_undocumented_option_or_key_is_caught(tmp_path: Path) -> None:

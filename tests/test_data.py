@@ -15,8 +15,9 @@ from helpers import tiny_unet
 from PIL import Image
 
 from ddpm.data import ram
+from ddpm.data.idx import read_idx
 from ddpm.data.ram import RAMDataModule
-from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, ImageSet, MNISTSource, read_idx
+from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, ImageSet, MNISTSource
 from ddpm.models.unet import UNet
 from ddpm.module import check_batch
 

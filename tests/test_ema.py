@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpm.callbacks.ema import CHECKPOINT_KEY, EMA
+from ddpm.callbacks.ema import EMA
+from ddpm.weights.model import CHECKPOINT_KEY
 
 
 class Scalar(nn.Module):

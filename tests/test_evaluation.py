@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 
 from ddpm.callbacks.fid import FID
 from ddpm.metrics.classifier import SmallClassifier, save_torchscript
-from ddpm.sampling import requested_metrics
+from ddpm.sampling.run import requested_metrics
 
 # The tiny run, stopped at its first validation (step 3), conditional, without the sample grid.
 EVAL_RUN = [*TINY_RUN, "trainer.max_steps=3", "callbacks.sample_grid=null", "model.num_classes=10"]

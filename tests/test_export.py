@@ -28,24 +28,26 @@ import torch
 from helpers import TINY_RUN, TINY_UNET, run, sample, tiny_unet, train
 from safetensors.torch import save_file
 
-from ddpm.checkpoint import CheckpointError, export_ema, load_ema_model
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.generate import batch_seed, generate, to_uint8
 from ddpm.diffusion.samplers.base import GuidedModel
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
-from ddpm.export import export_diffusers, load_export, main, scheduler_config
-from ddpm.safetensors_io import (
+from ddpm.export import main
+from ddpm.weights import CheckpointError, load_model
+from ddpm.weights.diffusers_folder import export_diffusers, load_export, scheduler_config
+from ddpm.weights.safetensors_file import (
     CONFIG_KEY,
     FORMAT,
-    load_ema_model_safetensors,
     load_ema_safetensors,
+    load_safetensors_model,
     read_metadata,
     save_ema_safetensors,
 )
+from ddpm.weights.torch_file import export_ema
 
 diffusers = pytest.importorskip("diffusers")
-import ddpm.diffusers_adapter  # noqa: E402  (diffusers finds DDPMUNet2DModel only once this is imported)
+import ddpm.weights.diffusers_adapter  # noqa: E402  (diffusers finds DDPMUNet2DModel only once this is imported)
 
 MAX_LEVELS = 1  # uint8 levels between our images and diffusers'
 MAX_DIFFERING = 0.005  # fraction of pixels that may differ at all
@@ -91,7 +93,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     for name, options in kinds.items():
         (root / name).mkdir()
         ema, _ = write_run(root / name, **options)
-        folders[name] = export_diffusers(ema, root / name / "export")
+        folders[name] = export_diffusers(load_model(ema), root / name / "export")
     return folders
 
 
@@ -183,7 +185,7 @@ def test_ddim_pipeline_and_scheduler_loop_match_our_ddim(exports, kind):
     expected, x0 = ours(folder, sampler), our_x0(folder, sampler)
     assert np.array_equal(to_uint8(x0).permute(0, 2, 3, 1).numpy(), expected)  # generate() started from this x_T
     pipe = quiet(diffusers.DDIMPipeline.from_pretrained(folder))
-    assert isinstance(pipe.unet, ddpm.diffusers_adapter.DDPMUNet2DModel)
+    assert isinstance(pipe.unet, ddpm.weights.diffusers_adapter.DDPMUNet2DModel)
     images = pipe(
         batch_size=BATCH, generator=generator(), num_inference_steps=10, eta=0.0,
         use_clipped_model_output=True, output_type="np",
@@ -266,7 +268,7 @@ def test_folder_round_trips_through_save_pretrained(exports, tmp_path):
     """from_pretrained -> save_pretrained -> from_pretrained keeps every weight and the scheduler config; our own
     loader reads both folders (the re-saved one lacks ddpm_config.json: the schedule is recovered from the betas)."""
     folder = exports["v"]
-    original = load_ema_model(folder.parent / "ema.pt")
+    original = load_model(folder.parent / "ema.pt")
     pipe = diffusers.DDPMPipeline.from_pretrained(folder)
     pipe.save_pretrained(tmp_path / "resaved")
     again = diffusers.DDIMPipeline.from_pretrained(tmp_path / "resaved")
@@ -326,7 +328,7 @@ def test_export_cli_refuses_bad_arguments_and_foreign_folders(exports, tmp_path,
 def test_ema_safetensors_round_trips_and_rebuilds_the_model(tmp_path, monkeypatch):
     """Weights and config come back equal; the rebuilt model is the ema.pt one; nothing is unpickled."""
     ema, config = write_run(tmp_path, prediction="v", num_classes=3)
-    reference = load_ema_model(ema)
+    reference = load_model(ema)
     path = save_ema_safetensors(tmp_path / "ema.safetensors", reference.net.state_dict(), config)
     assert read_metadata(path)["format"] == FORMAT and json.loads(read_metadata(path)[CONFIG_KEY]) == config
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
@@ -335,7 +337,7 @@ def test_ema_safetensors_round_trips_and_rebuilds_the_model(tmp_path, monkeypatc
     assert loaded_config == config
     assert state.keys() == reference.net.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in reference.net.state_dict().items())
-    loaded = load_ema_model_safetensors(path)
+    loaded = load_safetensors_model(path)
     x, t = torch.randn(2, 1, 8, 8), torch.tensor([10, 900])
     with torch.no_grad():
         torch.testing.assert_close(loaded.net(x, t, None), reference.net(x, t, None), rtol=0, atol=0)
@@ -381,7 +383,7 @@ def bad_file(kind: str, folder: Path) -> Path:
 def test_bad_safetensors_raise_checkpoint_error_naming_the_file(tmp_path, kind, message):
     path = bad_file(kind, tmp_path) if kind != "missing" else tmp_path / "missing.safetensors"
     with pytest.raises(CheckpointError, match=message) as error:
-        load_ema_model_safetensors(path)
+        load_safetensors_model(path)
     assert path.name in str(error.value)
 
 
@@ -400,7 +402,7 @@ def test_train_export_and_diffusers_pipeline(tmp_path):
     assert pipe.unet.config.num_classes == 10 and pipe.unet.config.sample_size == 16
     images = pipe(batch_size=2, num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="np")
     assert images.images.shape == (2, 16, 16, 1) and np.isfinite(images.images).all()
-    loaded, original = load_export(out), load_ema_model(run_dir / "ema.pt")
+    loaded, original = load_export(out), load_model(run_dir / "ema.pt")
     assert all(torch.equal(loaded.net.state_dict()[k], v) for k, v in original.net.state_dict().items())
     state, config = load_ema_safetensors(run_dir / "ema.safetensors")  # train.py writes it beside ema.pt
     assert config == original.config and all(torch.equal(state[k], v) for k, v in original.net.state_dict().items())

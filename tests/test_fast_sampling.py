@@ -23,9 +23,7 @@ from ddpm.diffusion.generate import (
     StaticBatch,
     batch_seed,
     compile_network,
-    default_batch_size,
     generate,
-    resolve_sampling_precision,
     to_channels_last,
     to_uint8,
 )
@@ -34,7 +32,8 @@ from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas
 from ddpm.precision import native_bf16
-from ddpm.sampling import resolve_batch_size
+from ddpm.sampling.run import resolve_batch_size
+from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
 BETAS = linear_betas(1000).double()
 

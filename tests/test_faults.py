@@ -26,18 +26,21 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpm.callbacks.ema import CHECKPOINT_KEY
 from ddpm.callbacks.nan_guard import NaNGuard, NonFiniteLossError
 from ddpm.callbacks.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from ddpm.checkpoint import CheckpointError, load_checkpoint
-from ddpm.checkpoint_io import AtomicCheckpointIO, NonFiniteCheckpointError
+from ddpm.config import validate_config
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.webdataset import WebDataModule
 from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.memory import explain_oom
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule
-from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
+from ddpm.resume import check_resume, resolve_ckpt_path
 from ddpm.training import slurm_plugins, train
+from ddpm.weights import CheckpointError
+from ddpm.weights.lightning_io import AtomicCheckpointIO, NonFiniteCheckpointError
+from ddpm.weights.model import CHECKPOINT_KEY
+from ddpm.weights.torch_file import load_checkpoint
 
 # --- atomic checkpoints: kill -9 while writing ------------------------------------------------------------
 
@@ -95,8 +98,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    named = r"could not write checkpoint .*last.ckpt.*No space left.*previous checkpoints.*Free disk space"
-    with pytest.raises(OSError, match=named + r".*callbacks\.checkpoint\.dirpath.*ckpt_path=last"):
+    named = r"could not write .*last.ckpt.*No space left.*needs about .* MB.* free on its disk.*previous file there is "
+    with pytest.raises(OSError, match=named + r"intact.*Free disk space.*callbacks\.checkpoint\.dirpath.*ckpt_path="):
         io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
@@ -320,7 +323,7 @@ def test_wrong_config_type_fails_fast_naming_the_key(
 ) -> None:
     cfg = composed(tmp_path, override)
     with pytest.raises(TypeError, match=re.escape(named)):
-        check_config_types(OmegaConf.to_container(cfg, resolve=True))
+        validate_config(OmegaConf.to_container(cfg, resolve=True), entry="train")
     with pytest.raises(TypeError, match="config values of the wrong type") as info:
         train(cfg)  # train() checks before it reads data or builds the model
     assert named in str(info.value)
@@ -339,7 +342,7 @@ def test_wrong_config_types_are_all_listed_at_once(tmp_path: Path, constructed: 
 
 
 def test_out_of_range_config_value_fails_naming_the_key(tmp_path: Path) -> None:
-    check_config_types(OmegaConf.to_container(composed(tmp_path), resolve=True))  # the defaults pass
+    validate_config(OmegaConf.to_container(composed(tmp_path), resolve=True), entry="train")  # the defaults pass
     with pytest.raises(Exception, match=r"optim.lr=-1 must be a positive finite number"):
         train(composed(tmp_path, "optim.lr=-1"))
 

@@ -20,9 +20,10 @@ from helpers import TINY_RUN, compose, sample, train
 from PIL import Image
 
 from ddpm.callbacks.sample_grid import SampleGrid
-from ddpm.checkpoint import load_checkpoint, run_config
-from ddpm.diffusion.generate import check_guidance
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.sampling.runtime import check_guidance
+from ddpm.weights.model import run_config
+from ddpm.weights.torch_file import load_checkpoint
 
 STEPS = 6  # TINY_RUN's trainer.max_steps
 

@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
+from ddpm.data.shards import ShardError, assign_shards, expand_urls
 from ddpm.data.sources import DigitsSource
-from ddpm.data.webdataset import ShardError, ShardStream, WebDataModule, assign_shards, expand_urls
+from ddpm.data.webdataset import ShardStream, WebDataModule
 
 
 def unique_images(n: int, size: int = 8, channels: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ context, allocator fragmentation and temporaries of backward (allow ~20-30% more
 """
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{' '.join(args.overrides) or 'defaults'}: precision={precision}, batch={batch_size}")
     print(report(sizes, count=count, batch_size=batch_size))
     return {"parameter_count": count, "batch_size": batch_size, **sizes}
+
+
+@contextmanager
+def explain_oom(*, batch_size: Any, precision: Any) -> Iterator[None]:
+    """Re-raise CUDA out-of-memory errors with the settings that reduce memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"out of device memory ({str(error).splitlines()[0][:200]}). The batch does not fit: lower "
+            f"data.batch_size={batch_size} (and raise trainer.accumulate_grad_batches to keep the global batch), use "
+            f"trainer.precision=bf16-mixed (now {precision}), or turn on activation checkpointing in the model"
+        ) from error
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Start-up checks of train.py: config types, which checkpoint `ckpt_path` names, and whether a resume is safe.
+"""Resuming a run: which checkpoint `ckpt_path` names, and whether resuming it with this config is safe.
 
 `ckpt_path` accepts a checkpoint file, a run directory (its `checkpoints/last.ckpt`), or `last`:
 `<resume_dir>/checkpoints/last.ckpt` when `resume_dir` is set, else the newest
@@ -7,18 +7,14 @@ own folder excluded). The resumed run writes into its own (new) run directory, w
 `resume_diff.yaml` recording where it came from and every config value that changed.
 """
 
-import inspect
-import typing
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from ddpm.checkpoint import CheckpointError, load_checkpoint, run_config
+from ddpm.weights.model import CheckpointError, run_config
+from ddpm.weights.torch_file import load_checkpoint
 
 # Changes that make the checkpoint's weights or training target meaningless: refused on resume.
 BREAKING = ("model.", "diffusion.num_timesteps", "diffusion.schedule", "diffusion.prediction", "data.image_size",
@@ -97,93 +93,3 @@ def check_resume(path: Path, config: Mapping[str, Any], output_dir: Path) -> dic
     changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()) or "none"
     print(f"Resuming {path} at step {record['global_step']}; config changes: {changes}")
     return diff
-
-
-# --- config types, checked against the constructors' annotations before any work is done --------------
-
-_STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)  # "64" is not an int, 1.5 is not an int
-_ADAPTERS: dict[str, TypeAdapter | None] = {}
-
-
-def _adapter(hint: Any) -> TypeAdapter | None:
-    """pydantic's strict validator for `hint`, or None where pydantic cannot describe it (left unchecked)."""
-    key = repr(hint)
-    if key not in _ADAPTERS:
-        try:
-            _ADAPTERS[key] = TypeAdapter(hint, config=_STRICT)
-        except Exception:  # an unresolvable forward reference or an exotic class: that key is not checked
-            _ADAPTERS[key] = None
-    return _ADAPTERS[key]
-
-
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
-
-
-def matches(value: Any, hint: Any) -> bool:
-    """Whether a YAML value, as Hydra hands it to a constructor, fits the constructor's type hint.
-
-    pydantic validates strictly (Literal, Union, Optional, nested containers, no "64" -> 64 coercion);
-    a YAML list also stands for a tuple and a string for a path, which is how Hydra passes them."""
-    adapter = _adapter(hint)
-    if adapter is None:
-        return True
-    candidates = [value, _as_tuples(value)] + ([Path(value)] if isinstance(value, str) else [])
-    for candidate in candidates:
-        try:
-            adapter.validate_python(candidate)
-            return True
-        except ValidationError:
-            continue
-    return False
-
-
-def _hints(target: str) -> dict[str, Any]:
-    from hydra.utils import get_object
-
-    try:
-        cls = get_object(target)
-        hints = typing.get_type_hints(cls.__init__ if inspect.isclass(cls) else cls)
-    except Exception:  # not importable here, or annotations that do not resolve: nothing to check
-        return {}
-    hints.pop("return", None)
-    return hints
-
-
-def config_type_errors(config: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """'key=value is not <type>' for every `_target_` argument whose value does not fit its annotation."""
-    errors: list[str] = []
-    hints = _hints(str(config["_target_"])) if "_target_" in config else {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            errors += config_type_errors(value, f"{prefix}{key}.")
-        elif key in hints and not matches(value, hints[key]):
-            expected = _describe(hints[key])
-            errors.append(f"{prefix}{key}={value!r} is not {expected}")
-    return errors
-
-
-def _describe(hint: Any) -> str:
-    """A readable form of a hint: `Literal['eps', 'v']`, `int | None`, Lightning's precision values spelled out."""
-    text = str(hint) if typing.get_origin(hint) is not None else getattr(hint, "__name__", str(hint))
-    return text.replace("typing.", "").replace("NoneType", "None")
-
-
-def check_config_types(config: Mapping[str, Any]) -> None:
-    """Raise one TypeError naming every wrong-typed value, before any data is read or model built."""
-    errors = config_type_errors({k: v for k, v in config.items() if k != "hydra"})
-    if errors:
-        raise TypeError("config values of the wrong type:\n  " + "\n  ".join(errors))
-
-
-@contextmanager
-def explain_oom(*, batch_size: Any, precision: Any) -> Iterator[None]:
-    """Re-raise CUDA out-of-memory errors with the settings that reduce memory."""
-    try:
-        yield
-    except torch.OutOfMemoryError as error:
-        raise torch.OutOfMemoryError(
-            f"out of device memory ({str(error).splitlines()[0][:200]}). The batch does not fit: lower "
-            f"data.batch_size={batch_size} (and raise trainer.accumulate_grad_batches to keep the global batch), use "
-            f"trainer.precision=bf16-mixed (now {precision}), or turn on activation checkpointing in the model"
-        ) from error

@@ -10,14 +10,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.rng import RNGState
-from ddpm.checkpoint import export_ema
-from ddpm.checkpoint_io import AtomicCheckpointIO
-from ddpm.diffusion.generate import check_guidance
+from ddpm.config import validate_config
+from ddpm.memory import explain_oom
 from ddpm.precision import configure_precision, resolve_compile, resolve_precision
-from ddpm.resume import check_config_types, check_resume, explain_oom, resolve_ckpt_path
-from ddpm.safetensors_io import save_ema_safetensors
+from ddpm.resume import check_resume, resolve_ckpt_path
+from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
+from ddpm.weights.lightning_io import AtomicCheckpointIO
+from ddpm.weights.safetensors_file import save_ema_safetensors
+from ddpm.weights.torch_file import export_ema
 
 
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
@@ -41,18 +43,26 @@ def slurm_plugins(cfg: DictConfig) -> list[Any]:
 
 def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config as plain data, with every `auto` the project decides already decided
-    (trainer.precision: bf16-mixed or 32-true; compile: true or false, for this device); its types checked
-    against the constructors."""
-    resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    trainer = resolved.get("trainer") or {}
-    if "precision" in trainer:
-        trainer["precision"] = resolve_precision(trainer["precision"], trainer.get("accelerator"))
-    for node, key in ((resolved, "compile"), (resolved.get("module") or {}, "compile")):
-        if isinstance(node.get(key), str):  # auto (a wrong word fails here, naming compile)
-            node[key] = resolve_compile(node[key], trainer.get("accelerator"))
-    check_config_types(resolved)  # wrong types fail here, naming the key, before data or model are built
+    (trainer.precision: bf16-mixed or 32-true; compile: true or false, for this device), every key checked
+    (ddpm.config.validate: types, unknown keys; whole-number floats become ints in `cfg` too)."""
+    resolved = validate_config(cfg, entry="train", decided=auto_decisions(cfg))
     check_callback_guidance(resolved)
     return resolved
+
+
+def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
+    """{key: decided value} for the `auto` settings: trainer.precision and compile (a wrong word fails here,
+    naming its key)."""
+    accelerator = OmegaConf.select(cfg, "trainer.accelerator")
+    decided: dict[str, Any] = {}
+    precision = OmegaConf.select(cfg, "trainer.precision")
+    if precision is not None:
+        decided["trainer.precision"] = resolve_precision(precision, accelerator)
+    for key in ("compile", "module.compile"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str):
+            decided[key] = resolve_compile(value, accelerator)
+    return decided
 
 
 def check_callback_guidance(resolved: dict[str, Any]) -> None:

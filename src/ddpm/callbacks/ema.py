@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-CHECKPOINT_KEY = "ema_state_dict"
+from ddpm.weights.model import CHECKPOINT_KEY
 
 
 def ema_decay(decay: float, num_updates: int, warmup: bool) -> float:

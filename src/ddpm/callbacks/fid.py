@@ -12,11 +12,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ddpm.callbacks.sample_grid import sample_with_ema
-from ddpm.diffusion.generate import Sampler, check_guidance, class_cycle
+from ddpm.diffusion.generate import Sampler, class_cycle
 from ddpm.diffusion.samplers.base import PRECISIONS
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
+from ddpm.sampling.runtime import check_guidance
 
 
 class FID(Callback):

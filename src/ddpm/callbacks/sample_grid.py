@@ -13,8 +13,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchvision.utils import make_grid, save_image
 
 from ddpm.callbacks.ema import EMA
-from ddpm.diffusion.generate import Generated, Sampler, check_guidance, class_cycle, generate
+from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
 from ddpm.diffusion.samplers.base import PRECISIONS
+from ddpm.sampling.runtime import check_guidance, resolve_sampling_precision
 
 
 def find_ema(trainer: pl.Trainer) -> EMA | None:
@@ -59,7 +60,7 @@ def sample_with_ema(
                 seed=seed,
                 batch_size=batch_size,
                 device=pl_module.device,
-                precision=precision,
+                precision=resolve_sampling_precision(precision, pl_module.device),
             )
     finally:
         net.train(was_training)

@@ -4,10 +4,7 @@
 int64). Readers know nothing of models or Lightning; the RAM datamodule preloads what they return.
 """
 
-import gzip
 import pickle
-import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -15,7 +12,9 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 from torch import Tensor
-from torch.nn import functional as F
+
+from ddpm.data.idx import read_idx, read_idx_header
+from ddpm.data.images import centre_crop, convert_channels, fit_to_size, to_mode
 
 
 @dataclass(frozen=True)
@@ -31,42 +30,6 @@ class Source(Protocol):
     def count(self) -> int: ...  # number of images, known without decoding them (for the RAM check)
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet: ...
-
-
-def resize_uint8(images: Tensor, size: int) -> Tensor:
-    """(N, C, H, W) uint8 -> (N, C, size, size) uint8, antialiased bilinear, in chunks to bound memory."""
-    if images.shape[-2:] == (size, size):
-        return images
-    out = [
-        F.interpolate(chunk.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        .round()
-        .clamp(0, 255)
-        .to(torch.uint8)
-        for chunk in images.split(4096)
-    ]
-    return torch.cat(out)
-
-
-def fit_to_size(images: Tensor, size: int) -> Tensor:
-    """Pad small square images with a centred zero border (MNIST 28 -> 32, as is standard), else resize."""
-    height = images.shape[-1]
-    if height < size and (size - height) % 2 == 0 and (size - height) <= height // 4:
-        pad = (size - height) // 2
-        return F.pad(images, (pad, pad, pad, pad))
-    return resize_uint8(images, size)
-
-
-def convert_channels(images: Tensor, channels: int | None) -> Tensor:
-    """Grey <-> RGB: repeat the grey plane, or ITU-R 601 luma of RGB."""
-    have = images.shape[1]
-    if channels is None or channels == have:
-        return images
-    if have == 1 and channels == 3:
-        return images.expand(-1, 3, -1, -1).contiguous()
-    if have == 3 and channels == 1:
-        luma = torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)
-        return (images.float() * luma).sum(1, keepdim=True).round().clamp(0, 255).to(torch.uint8)
-    raise ValueError(f"data.channels={channels}: cannot convert {have}-channel images; use 1, 3 or null")
 
 
 def finish(images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None):
@@ -106,47 +69,6 @@ class DigitsSource:
 
 
 # --- MNIST (IDX files, LeCun et al.) -------------------------------------------------------------
-
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
-
-
-_DAMAGED = (EOFError, gzip.BadGzipFile, zlib.error)  # a truncated, corrupt or not-gzip .gz file
-
-
-def read_idx_header(path: Path) -> tuple[int, tuple[int, ...]]:
-    try:
-        with _open(path) as f:
-            magic = f.read(4)
-            if len(magic) != 4 or magic[:2] != b"\x00\x00" or magic[2] not in _IDX_DTYPES:
-                raise ValueError(f"{path} is not an IDX file (bad magic {magic!r}); re-download it")
-            ndim = magic[3]
-            dims = f.read(4 * ndim)
-    except _DAMAGED as error:
-        raise ValueError(f"{path} is truncated or corrupt ({error}); re-download it") from error
-    if len(dims) != 4 * ndim:
-        raise ValueError(f"{path} is truncated inside its header; re-download it")
-    return magic[2], struct.unpack(f">{ndim}I", dims)
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """An IDX array (the MNIST file format), gzip or plain."""
-    code, shape = read_idx_header(path)
-    try:
-        with _open(path) as f:
-            f.seek(4 + 4 * len(shape))
-            data = f.read()
-    except _DAMAGED as error:
-        raise ValueError(f"{path} is truncated or corrupt ({error}); re-download it") from error
-    dtype = np.dtype(_IDX_DTYPES[code])
-    expected = int(np.prod(shape)) * dtype.itemsize
-    if len(data) != expected:
-        raise ValueError(f"{path} is truncated: {len(data)} bytes of data, the header says {expected}; re-download")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
-
 
 _MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -307,37 +229,9 @@ class ImageFolderSource:
         for i, (path, _) in enumerate(files):
             try:
                 with Image.open(path) as image:
-                    images[i] = _centre_crop(to_mode(image, mode), image_size)
+                    images[i] = centre_crop(to_mode(image, mode), image_size)
             except (UnidentifiedImageError, OSError) as error:
                 raise ValueError(f"{path} is not a readable image ({error}); remove or replace it") from error
         labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
         num_classes = len({label for _, label in files}) if self.conditional else None
         return ImageSet(images=images, labels=labels.long(), num_classes=num_classes)
-
-
-def to_mode(image, mode: str):
-    """A PIL image of any mode as `mode` ("L" or "RGB"): transparency (RGBA, LA, PA, palette with a transparent
-    index) is composited onto white, 16/32-bit grey (I;16, I) scaled from 0..65535 to 0..255, palettes expanded;
-    RGB -> L is ITU-R 601-2 luma (PIL's)."""
-    from PIL import Image
-
-    if image.mode.startswith("I"):  # 16-bit greyscale PNG/TIFF: keep the range, not the low byte
-        scaled = np.asarray(image, dtype=np.float64) * (255 / 65535)
-        image = Image.fromarray(np.clip(np.round(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
-    if "A" in image.getbands() or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    return image.convert(mode)
-
-
-def _centre_crop(image, size: int) -> Tensor:
-    """Resize the short side to `size` (bicubic, antialiased), crop the centre square; -> (C, size, size)."""
-    from PIL import Image
-
-    scale = size / min(image.size)
-    width, height = max(size, round(image.size[0] * scale)), max(size, round(image.size[1] * scale))
-    image = image.resize((width, height), Image.Resampling.BICUBIC)
-    left, top = (width - size) // 2, (height - size) // 2
-    array = np.asarray(image.crop((left, top, left + size, top + size)), dtype=np.uint8)
-    array = array[:, :, None] if array.ndim == 2 else array
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)

@@ -1,8 +1,9 @@
 """Batched image generation shared by sample.py, the training-time grids and evaluation. Plain torch.
 
-Speed options (same images up to bf16 rounding; `precision="32"`, `compile=False` is the float32 eager path):
-- precision: "auto" | "32" | "bf16" -- the network under bf16 autocast (samplers.base.network_call); `auto`
-  picks bf16 only where the device runs it natively (precision.native_bf16: CUDA with bf16, AVX512-BF16/AMX CPUs).
+Which settings suit a device (`auto` precision, batch sizes, guidance checks that name config keys) is decided
+by the caller (ddpm.sampling.runtime); here each option is applied as given. Speed options (`precision="32"`,
+`compile=False`, `channels_last=False` is the float32 eager path):
+- precision: "32" | "bf16" -- the network under bf16 autocast (samplers.base.network_call).
 - channels_last: a copy of the network with NHWC (channels_last) weights, oneDNN's and cuDNN's fast convolution
   layout; the convolutions then run (and return) NHWC. unet_mnist on an AVX512-BF16 CPU: ~1.3x more images/s in bf16
   and in float32 (benchmarks/sampling.py).
@@ -12,7 +13,6 @@ Speed options (same images up to bf16 rounding; `precision="32"`, `compile=False
 
 import copy
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,11 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ddpm.diffusion.gaussian import Prediction
-from ddpm.diffusion.samplers.base import PRECISIONS, GuidedModel, Net, Precision
-from ddpm.precision import native_bf16
-
-CPU_BATCH = 64  # network rows per call on CPU (unet_mnist: 64 ~1.7x faster per image than 256)
-GPU_BATCH = 256  # images per sampler batch on a GPU
+from ddpm.diffusion.samplers.base import GuidedModel, Net, Precision
 
 
 class Sampler(Protocol):
@@ -51,60 +47,6 @@ class Generated:
 def to_uint8(x: Tensor) -> Tensor:
     """[-1, 1] float -> [0, 255] uint8, rounding to nearest (as the images would be saved)."""
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).contiguous()
-
-
-def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float | None, key: str = "guidance") -> None:
-    """Refuse a classifier-free guidance weight the model cannot honour, naming `key` (the setting to change).
-
-    Guidance mixes the conditional prediction with the null class's (unconditional) one, so it needs a
-    class-conditional model (model.num_classes set) whose null class was trained: labels dropped to it with
-    probability diffusion.p_uncond > 0. sample.py and the training-time grid (SampleGrid) both call this.
-    """
-    if guidance < 0:
-        raise ValueError(f"{key}={guidance} must be >= 0 (0 = no guidance; 1-5 are usual)")
-    if guidance == 0:
-        return
-    if num_classes is None:
-        raise ValueError(
-            f"{key}={guidance} needs a class-conditional model, but this one is unconditional "
-            f"(model.num_classes: null); set {key}=0 or train with model.num_classes set"
-        )
-    if p_uncond is not None and p_uncond <= 0:
-        raise ValueError(
-            f"{key}={guidance} needs the model's unconditional (null-class) prediction, but its run has "
-            f"diffusion.p_uncond={p_uncond}: no label is ever dropped to the null class, so that prediction is "
-            f"untrained and guided samples would be noise; set {key}=0, or train with diffusion.p_uncond > 0 "
-            "(0.1 is usual)"
-        )
-
-
-def resolve_sampling_precision(
-    precision: str | int, device: torch.device | str, *, key: str = "precision"
-) -> Precision:
-    """ "auto" -> "bf16" where `device` runs bf16 natively, else "32"; "32" / "bf16" pass through (bf16 warns
-    where it is not native: slow reference kernels)."""
-    name = str(precision)
-    device_type = torch.device(device).type
-    if name == "auto":
-        return "bf16" if native_bf16(device_type) else "32"
-    if name not in PRECISIONS:
-        raise ValueError(f"{key}={precision!r} must be auto, 32 or bf16")
-    if name == "bf16" and not native_bf16(device_type):
-        warnings.warn(
-            f"{key}=bf16 on a {device_type} without native bfloat16: the network will run slower than in float32; "
-            f"use {key}=auto or {key}=32",
-            UserWarning,
-            stacklevel=2,
-        )
-    return name  # type: ignore[return-value]
-
-
-def default_batch_size(device: torch.device | str, *, guided: bool) -> int:
-    """Images per sampler batch for `batch_size: auto`: 256 on a GPU; on a CPU, 64 network rows per call
-    (64 images, or 32 with guidance, whose [cond; uncond] call doubles the batch)."""
-    if torch.device(device).type == "cuda":
-        return GPU_BATCH
-    return CPU_BATCH // 2 if guided else CPU_BATCH
 
 
 class StaticBatch:
@@ -180,25 +122,24 @@ def generate(
     device: torch.device | str = "cpu",
     first_index: int = 0,
     on_batch: Callable[[int], None] | None = None,
-    precision: str | int = "32",
+    precision: Precision = "32",
     channels_last: bool = False,
     compile: bool = False,
     compile_backend: str | Callable = "inductor",
 ) -> Generated:
     """Draw `num_samples` images (indices first_index.. for seeding) in batches of `batch_size`.
 
-    labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same
-    seed, batch size and first_index give the same images. precision: auto, 32 or bf16 (the network only,
-    see samplers.base.network_call); channels_last: sample with an NHWC copy of `net` (to_channels_last);
-    compile: torch.compile the network (already compiled `net`s are reused, e.g. by several calls), always
-    called on batch_size rows (or num_samples if fewer; twice that with guidance): a partial last batch is
-    padded, so the sampler draws the same noise as the uncompiled run.
+    labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same seed, batch
+    size and first_index give the same images. precision: 32 or bf16 (the network only, see
+    samplers.base.network_call; `auto` is decided by the caller, ddpm.sampling.runtime). channels_last: sample
+    with an NHWC copy of `net` (to_channels_last). compile: torch.compile the network (already compiled `net`s
+    are reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer; twice that
+    with guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled run.
     """
     if num_samples <= 0:
         raise ValueError(f"num_samples={num_samples} must be > 0")
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size} must be > 0")
-    precision = resolve_sampling_precision(precision, device)
     if channels_last:
         net = to_channels_last(net)
     if compile:

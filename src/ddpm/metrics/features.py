@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ddpm.data.sources import convert_channels, resize_uint8
+from ddpm.data.images import convert_channels, resize_uint8
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
 INCEPTION_URL = f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"

@@ -5,12 +5,12 @@ header's metadata, the resolved run config as JSON under "ddpm_config" (and "for
 
     save_ema_safetensors("ema.safetensors", ema.shadow, resolved_config)
     state_dict, config = load_ema_safetensors("ema.safetensors")
-    loaded = load_ema_model_safetensors("ema.safetensors")     # a ddpm.checkpoint.LoadedModel
+    loaded = load_safetensors_model("ema.safetensors")         # a ddpm.weights.LoadedModel
 
 Reading never unpickles: safetensors is a JSON header plus raw tensor bytes, and the model is rebuilt only
-from `_target_`s inside this package (ddpm.checkpoint.instantiate_local). A file without our metadata
+from `_target_`s inside this package (ddpm.weights.model.instantiate_local). A file without our metadata
 (e.g. a diffusers or transformers weights file), with config JSON that is not a run config, with tensors
-that do not fit the model the config describes, or truncated, raises ddpm.checkpoint.CheckpointError
+that do not fit the model the config describes, or truncated, raises ddpm.weights.CheckpointError
 naming the file, what is wrong and what to do.
 """
 
@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import Tensor
 
-from ddpm.checkpoint import CheckpointError, LoadedModel, atomic_write, instantiate_local
+from ddpm.weights.atomic import atomic_write
+from ddpm.weights.model import CheckpointError, LoadedModel, build_model
 
 FORMAT = "lightning-ddpm/ema-safetensors/1"
 CONFIG_KEY = "ddpm_config"
@@ -37,7 +38,8 @@ def save_ema_safetensors(
     """Write the EMA weights with the run config (JSON, header metadata) to `path`, atomically (temp + rename)."""
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in ema_state_dict.items()}
     metadata = {"format": FORMAT, CONFIG_KEY: json.dumps(dict(config))}
-    return atomic_write(path, lambda f: f.write(save(tensors, metadata=metadata)))
+    payload = save(tensors, metadata=metadata)
+    return atomic_write(path, lambda f: f.write(payload), size=len(payload))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -96,21 +98,7 @@ def load_ema_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], di
     return state_dict, config
 
 
-def load_ema_model_safetensors(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
+def load_safetensors_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
     """Rebuild the run's UNet and schedule from the file's config and load its EMA weights (eval, float32)."""
-    path = Path(path).expanduser()
     state_dict, config = load_ema_safetensors(path)
-    try:
-        net, diffusion = instantiate_local(config["model"]), instantiate_local(config["diffusion"])
-    except CheckpointError as error:
-        raise CheckpointError(f"{path}: {error}") from error
-    except Exception as error:  # the config does not build (a bad value)
-        raise CheckpointError(f"{path}: its config does not build a model ({str(error)[:300]})") from error
-    try:
-        net.load_state_dict(state_dict)
-    except RuntimeError as error:
-        raise CheckpointError(
-            f"{path}: the EMA weights do not fit the model its config describes ({str(error)[:600]}); "
-            "the file was edited or mixed with another run's; use the run's ema.pt"
-        ) from error
-    return LoadedModel(net=net.float().eval().to(device), diffusion=diffusion.to(device), config=config)
+    return build_model(config, state_dict, source=str(Path(path).expanduser()), device=device)

@@ -1,4 +1,4 @@
-"""Generate docs/configuration.md from conf/: `python -m ddpm.config_doc [--check]`.
+"""Generate docs/configuration.md from conf/: `python -m ddpm.config.doc [--check]`.
 
 Every yaml file documents itself: its header comment (the leading `#` lines) says what the option is,
 and each key's comment (at the end of its line, or on the line above) says what the key does. A key
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONF, DOC = REPO / "conf", REPO / "docs" / "configuration.md"
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][\w.\-/]*|\"[^\"]+\")\s*:(?:\s+(?P<rest>.*))?$")
 UNDOCUMENTED_OK = {"_target_", "_partial_", "defaults"}
@@ -203,7 +203,7 @@ def render(files: list[ConfigFile] | None = None) -> str:
     out = [
         "# Configuration",
         "",
-        "Generated from `conf/` by `python -m ddpm.config_doc`; edit the yaml comments, not this file.",
+        "Generated from `conf/` by `python -m ddpm.config.doc`; edit the yaml comments, not this file.",
         "Choose an option with `group=option` (`python train.py model=unet_mnist`), set a key with",
         "`group.key=value`; the `experiment` bundles set keys of several groups at once.",
         "",
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = not DOC.is_file() or DOC.read_text() != text
         if stale:
-            print(f"{DOC} is stale: run python -m ddpm.config_doc", file=sys.stderr)
+            print(f"{DOC} is stale: run python -m ddpm.config.doc", file=sys.stderr)
         return int(stale or bool(missing))
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)

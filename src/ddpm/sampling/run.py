@@ -14,29 +14,15 @@ from omegaconf import DictConfig, ListConfig
 from torch import Tensor
 from torchvision.utils import make_grid, save_image
 
-from ddpm.checkpoint import instantiate_local, load_ema_model
-from ddpm.diffusion.generate import (
-    Generated,
-    check_guidance,
-    class_cycle,
-    compile_network,
-    default_batch_size,
-    resolve_sampling_precision,
-)
+from ddpm.config import validate_config
+from ddpm.diffusion.generate import Generated, class_cycle, compile_network
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.metrics.sharding import init_from_env, world
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto" and world()[1] > 1 and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())  # torchrun: this rank's GPU
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available here; use device=cpu or device=auto")
-    return torch.device(name)
+from ddpm.sampling.runtime import check_guidance, default_batch_size, resolve_device, resolve_sampling_precision
+from ddpm.weights import load_model
+from ddpm.weights.model import instantiate_local
 
 
 def requested_labels(labels: int | list[int] | None, num_samples: int, num_classes: int | None) -> Tensor | None:
@@ -109,6 +95,7 @@ def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.dev
 
 def sample(cfg: DictConfig) -> Generated:
     """Run the sampling described by conf/sample.yaml; returns the images and their labels."""
+    validate_config(cfg, entry="sample")  # types and unknown keys, naming the key; num_samples=2e1 becomes 20
     if not cfg.get("ckpt"):
         raise ValueError(
             "no checkpoint given; pass ckpt=<run dir>/ema.pt (or its ema.safetensors, a checkpoints/*.ckpt, "
@@ -126,7 +113,7 @@ def sample(cfg: DictConfig) -> Generated:
 
 def _sample(cfg: DictConfig) -> Generated:
     device = resolve_device(cfg.device)
-    loaded = load_ema_model(cfg.ckpt, device)
+    loaded = load_model(cfg.ckpt, device)
     net, diffusion = loaded.net, loaded.diffusion
     check_guidance(cfg.guidance, num_classes=net.num_classes, p_uncond=diffusion.p_uncond)  # before any sampling
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels

@@ -1,7 +1,7 @@
 """Our UNet as a diffusers model: `DDPMUNet2DModel`, a ModelMixin/ConfigMixin around ddpm.models.unet.UNet.
 
 It is what `python -m ddpm.export` puts in a pipeline folder's `unet/` (model_index.json names it
-`["ddpm.diffusers_adapter", "DDPMUNet2DModel"]`). Its config is our UNet's constructor arguments (plus
+`["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]`). Its config is our UNet's constructor arguments (plus
 `sample_size`, which diffusers' pipelines read, always equal to `image_size`); its weights are the UNet's,
 under the prefix `net.`. It is called as diffusers' UNet2DModel is:
 
@@ -13,7 +13,7 @@ they draw unconditional samples. For guidance, see `ddpm.export`.
 
 diffusers imports no module just because a model_index.json names it (diffusers 0.42's
 `_get_library_or_raise`: libraries other than diffusers/transformers are taken from `sys.modules`), so
-`import ddpm.diffusers_adapter` before `DDPMPipeline.from_pretrained(folder)`.
+`import ddpm.weights.diffusers_adapter` before `DDPMPipeline.from_pretrained(folder)`.
 """
 
 from dataclasses import dataclass

@@ -1,0 +1,240 @@
+"""Validate a resolved run config before any work is done: types, unknown keys, whole numbers.
+
+`validate_config(cfg, entry="train" | "sample")` checks every key against ddpm.config.schema and returns the
+resolved config as plain data. It refuses, naming the key the user set (and never a downstream one):
+
+- a value of the wrong type (`data.batch_size='64'`, `trainer.max_steps=1.5`): one TypeError listing all;
+- a key that no part of the run reads (`+lr=3e-4`, `+optim.learning_rate=...`): one UnknownKeyError naming
+  the closest known key (`+lr` -> `optim.lr`). A key counts as read when a schema declares it or another
+  value refers to it (`${data.root}`). Free-form: the names under `callbacks` and `logger`, `hydra`, and the
+  keys of a `_target_` whose constructor takes **kwargs (logger.wandb: passed on to wandb.init).
+
+A whole number written as a float (`num_samples=2e1`, `20.0`, `1e3`) is accepted for an int key and written
+back into `cfg` as an int, so every later reader sees 20; `20.5` is refused.
+Where the check itself cannot run (a `_target_` that cannot be imported, a type hint pydantic cannot check),
+it says so: an error when DDPM_STRICT_CONFIG=1 (the tests), otherwise a warning naming the key.
+"""
+
+import difflib
+import os
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
+
+from ddpm.config.schema import ENTRY_KEYS, HYDRA_KEYS, entry_fields, entry_schema, target_schema
+from ddpm.config.types import describe
+
+Entry = Literal["train", "sample"]
+STRICT_ENV = "DDPM_STRICT_CONFIG"  # "1": a check that cannot run is an error (tests), not a warning
+REFERENCE = re.compile(r"\$\{(?!\w+:)([\w.]+)\}")  # ${data.root}; not resolvers like ${now:...}
+
+
+class UnknownKeyError(ValueError):
+    """Config keys that no part of the run reads (typos, keys added with `+` that nothing uses)."""
+
+
+class ConfigCheckWarning(UserWarning):
+    """Part of the config could not be checked (a target not importable, a type pydantic cannot describe)."""
+
+
+def validate_config(
+    cfg: DictConfig | Mapping[str, Any], *, entry: Entry, decided: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The resolved config as plain data, every key checked; whole-number floats become ints (also in `cfg`).
+
+    `decided`: {dotted key: value} set in the result before the check, not in `cfg` (an `auto` decided for
+    this device, e.g. {"trainer.precision": "bf16-mixed"})."""
+    if isinstance(cfg, DictConfig):
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        references = set(_references(OmegaConf.to_container(cfg, resolve=False)))
+    else:
+        resolved, references = _copy(cfg), set()
+    for key, value in (decided or {}).items():
+        _set(resolved, key, value)
+    report = _Report(references)
+    report.check(resolved, entry)
+    report.raise_errors()
+    for key, value in report.ints.items():
+        _set(resolved, key, value)
+        if isinstance(cfg, DictConfig):
+            OmegaConf.update(cfg, key, value, merge=False)
+    return resolved  # type: ignore[return-value]
+
+
+class _Report:
+    """Walks a resolved config and collects wrong types, unknown keys, whole numbers and unchecked parts."""
+
+    def __init__(self, references: set[str]) -> None:
+        self.references = references
+        self.types: list[str] = []
+        self.unknown: list[str] = []
+        self.known: set[str] = set()
+        self.problems: list[str] = []
+        self.ints: dict[str, Any] = {}
+
+    def check(self, config: dict[str, Any], entry: Entry) -> None:
+        sections = self._entry_sections(entry)
+        self.known |= {k for k in entry_fields(entry) if k not in sections and k not in _GROUPS}
+        self.known |= {f"{section}.{k}" for section, keys in sections.items() for k in keys}
+        own = {k: v for k, v in config.items() if not _is_target(v)}
+        self._validate(entry_schema(entry), own, "", ENTRY_KEYS[entry], section_keys=sections)
+        for path, node in _target_nodes(config):
+            self._check_target(path, node)
+
+    def _entry_sections(self, entry: Entry) -> dict[str, tuple[str, ...]]:
+        return {k: entry_fields(entry, (k,)) for k in ("paths", "tune", "metrics") if k in ENTRY_KEYS[entry]}
+
+    def _check_target(self, path: str, node: dict[str, Any]) -> None:
+        nested = frozenset(k for k, v in node.items() if _is_target(v) or _holds_targets(v))
+        schema = target_schema(str(node["_target_"]), nested)
+        self.problems += [f"{path}.{k}: {why}" for k, why in schema.unchecked.items() if k in node]
+        self.known |= {f"{path}.{k}" for k in schema.hints if k not in nested}
+        if schema.adapter is None:
+            return
+        values = {k: v for k, v in node.items() if k not in HYDRA_KEYS}
+        self._validate(schema.adapter, values, f"{path}.", schema.hints)
+
+    def _validate(self, adapter, values: dict, prefix: str, hints: dict, section_keys: dict | None = None) -> None:
+        try:
+            validated = adapter.validate_python(values)
+        except ValidationError as error:
+            self._record(error, values, prefix, hints, section_keys or {})
+            return
+        for key, value in values.items():
+            if _has_whole_float(value):
+                converted = _ints_where(value, validated[key])
+                if converted != value or _types(converted) != _types(value):
+                    self.ints[f"{prefix}{key}"] = converted
+
+    def _record(self, error: ValidationError, values: dict, prefix: str, hints: dict, sections: dict) -> None:
+        seen: set[str] = set()
+        for item in error.errors():
+            loc = [str(part) for part in item["loc"]]
+            if item["type"] == "extra_forbidden":
+                key = f"{prefix}{'.'.join(loc)}"
+                if key not in self.references and not any(r.startswith(f"{key}.") for r in self.references):
+                    self.unknown.append(key)
+                continue
+            field = loc[0]
+            if field in sections and loc[-1] in sections[field]:  # a key inside paths / tune / metrics
+                key, text = f"{prefix}{field}.{loc[-1]}", f"{item.get('input')!r} is not valid ({item['msg']})"
+            else:
+                key, text = f"{prefix}{field}", f"{values.get(field)!r} is not {describe(hints.get(field, Any))}"
+            if key not in seen:
+                seen.add(key)
+                self.types.append(f"{key}={text}")
+
+    def raise_errors(self) -> None:
+        if self.problems:
+            text = "parts of the config cannot be checked:\n  " + "\n  ".join(self.problems)
+            if os.environ.get(STRICT_ENV) == "1":
+                raise TypeError(text)
+            warnings.warn(text, ConfigCheckWarning, stacklevel=3)
+        if self.unknown:
+            lines = [f"{key}: {self._suggestion(key)}" for key in self.unknown]
+            raise UnknownKeyError(
+                "config keys that no part of the run reads (a typo, or a `+key=` that nothing uses):\n  "
+                + "\n  ".join(lines)
+                + "\nFree-form keys, allowed anywhere: the names under callbacks and logger, hydra.*, and the keys of "
+                "a _target_ whose constructor takes **kwargs"
+            )
+        if self.types:
+            raise TypeError("config values of the wrong type:\n  " + "\n  ".join(self.types))
+
+    def _suggestion(self, key: str) -> str:
+        """The known key closest to `key`: the same name elsewhere (lr -> optim.lr), a known synonym, or the most
+        similar name, preferring the key's own section."""
+        section, _, leaf = key.rpartition(".")
+        leaf = ALIASES.get(leaf, leaf)
+        by_leaf: dict[str, list[str]] = {}
+        for known in sorted(self.known):
+            by_leaf.setdefault(known.rsplit(".", 1)[-1], []).append(known)
+        names = by_leaf.get(leaf) or [
+            k for m in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6) for k in by_leaf[m]
+        ]
+        names.sort(key=lambda k: (not k.startswith(f"{section}.") if section else 0, k.count("."), k))
+        return f"did you mean {names[0]}? (set it with {names[0]}=...)" if names else "no similar key exists"
+
+
+ALIASES = {  # names users bring from other trainers -> ours
+    "learning_rate": "lr",
+    "batch": "batch_size",
+    "bs": "batch_size",
+    "steps": "max_steps",
+    "epochs": "max_epochs",
+    "ema_decay": "decay",
+    "timesteps": "num_timesteps",
+    "T": "num_timesteps",
+    "guidance_scale": "guidance",
+    "cfg_scale": "guidance",
+}
+_GROUPS = {"model", "diffusion", "data", "optim", "trainer", "module", "ema", "callbacks", "logger", "sampler", "hydra"}
+
+
+def _is_target(value: Any) -> bool:
+    return isinstance(value, dict) and "_target_" in value
+
+
+def _holds_targets(value: Any) -> bool:
+    return isinstance(value, list) and any(_is_target(v) for v in value)
+
+
+def _target_nodes(config: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(dotted path, node) of every `_target_` node, outermost first; the hydra node is Hydra's own."""
+    if isinstance(config, dict):
+        if _is_target(config):
+            yield path, config
+        for key, value in config.items():
+            if not (path == "" and key == "hydra"):
+                yield from _target_nodes(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(config, list):
+        for i, value in enumerate(config):
+            yield from _target_nodes(value, f"{path}.{i}")
+
+
+def _references(config: Any) -> Iterator[str]:
+    if isinstance(config, dict):
+        for value in config.values():
+            yield from _references(value)
+    elif isinstance(config, list):
+        for value in config:
+            yield from _references(value)
+    elif isinstance(config, str):
+        yield from REFERENCE.findall(config)
+
+
+def _has_whole_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, list | tuple) and any(_has_whole_float(v) for v in value)
+
+
+def _ints_where(original: Any, validated: Any) -> Any:
+    """`original` with each whole-number float that validated to an int replaced by that int (lists and tuples
+    element by element; no other conversion of the validator, such as list -> tuple, is kept)."""
+    if isinstance(original, float) and isinstance(validated, int) and not isinstance(validated, bool):
+        return validated
+    if isinstance(original, list | tuple) and isinstance(validated, list | tuple) and len(original) == len(validated):
+        return type(original)(_ints_where(o, v) for o, v in zip(original, validated, strict=True))
+    return original
+
+
+def _types(value: Any) -> Any:
+    return [_types(v) for v in value] if isinstance(value, list | tuple) else type(value)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    return [_copy(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def _set(config: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        config = config[int(part)] if isinstance(config, list) else config[part]
+    config[leaf] = value

@@ -1,0 +1,59 @@
+"""PyTorch files this project writes: a Lightning training checkpoint (`.ckpt`) and the EMA export (`ema.pt`).
+
+Both are read with `torch.load(weights_only=True)`, so a file from elsewhere cannot run code when loaded;
+every failure becomes a CheckpointError that says what to do. `ema.pt` holds the EMA weights and the
+resolved run config: {"format": EXPORT_FORMAT, "ema_state_dict": ..., "config": ...}.
+"""
+
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ddpm.weights.atomic import atomic_save
+from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, LoadedModel, build_model, run_config
+
+EXPORT_FORMAT = "lightning-ddpm/ema-export/1"
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """torch.load with weights_only=True, turning every failure into a CheckpointError that says what to do."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not exist; pass ckpt=<run dir>/checkpoints/last.ckpt (or the run's ema.pt)"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} holds Python objects that safe loading refuses ({str(error).splitlines()[0][:200]}); it was not "
+            "written by lightning-ddpm, and loading it unsafely could run code from the file"
+        ) from error
+    except Exception as error:  # garbage bytes also raise IndexError, KeyError, struct.error, ...
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: {str(error)[:200]}); "
+            "use another checkpoint of the run, e.g. the previous step's"
+        ) from error
+    if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint:
+        raise CheckpointError(
+            f"{path} is a PyTorch file but not a lightning-ddpm checkpoint (no {CHECKPOINT_KEY!r}); "
+            "pass a .ckpt written by train.py or its ema.pt export"
+        )
+    return checkpoint
+
+
+def load_torch_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
+    """The EMA model of a `.ckpt` or `ema.pt`."""
+    checkpoint = load_checkpoint(path)
+    return build_model(run_config(checkpoint), checkpoint[CHECKPOINT_KEY], source=str(path), device=device)
+
+
+def export_ema(path: str | os.PathLike, ema_state_dict: Mapping[str, Tensor], config: Mapping[str, Any]) -> Path:
+    """Write the EMA weights and the run config as a small file that sample.py (and others) can load."""
+    state = {k: v.detach().cpu().clone() for k, v in ema_state_dict.items()}
+    return atomic_save({"format": EXPORT_FORMAT, CHECKPOINT_KEY: state, "config": dict(config)}, path)
