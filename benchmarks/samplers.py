@@ -33,15 +33,19 @@ from pathlib import Path
 import torch
 from report import machine  # benchmarks/report.py
 
-from ddpm.checkpoint import load_ema_model
 from ddpm.data.sources import MNISTSource
-from ddpm.diffusion.generate import class_cycle, default_batch_size, generate, resolve_sampling_precision
+from ddpm.diffusion.generate import class_cycle, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
+from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
+from ddpm.diffusion.samplers.edm import EDMSampler
+from ddpm.diffusion.samplers.restart import RestartSampler
 from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, draws, paired_ratio, resample_weights
 from ddpm.metrics.features import FeatureExtractor, classifier_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, count_tag, kernel_distance, reference_stats
+from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
+from ddpm.weights import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name -> (sampler class, constructor arguments)
@@ -52,6 +56,11 @@ CONFIGS = {  # name -> (sampler class, constructor arguments)
     "ddim20": (DDIMSampler, {"steps": 20}),
     "dpm++20": (DPMSolverSampler, {"steps": 20}),
     "dpm++10": (DPMSolverSampler, {"steps": 10}),
+    "dpm++sde20": (DPMSolverSDESampler, {"steps": 20}),
+    "dpm++sde25": (DPMSolverSDESampler, {"steps": 25}),
+    "edm13": (EDMSampler, {"steps": 13}),  # deterministic Heun, 25 NFE
+    "edm13_churn": (EDMSampler, {"steps": 13, "churn": 40.0, "s_tmin": 0.05, "s_tmax": 50.0, "s_noise": 1.003}),
+    "restart": (RestartSampler, {"steps": 9, "restarts": 2, "restart_steps": 2, "t_min": 0.06, "t_max": 0.30}),
 }
 BEGIN, END = "<!-- benchmarks/samplers.py: begin -->", "<!-- benchmarks/samplers.py: end -->"
 
@@ -70,9 +79,12 @@ def synchronise(device: torch.device) -> None:
 
 
 def nfe_cost(name: str, guidance: float) -> int:
-    """Network rows per image of one configuration: its steps, doubled with guidance (rows run cheapest first)."""
-    steps = CONFIGS[name][1]["steps"] or 1000
-    return steps * (2 if guidance else 1)
+    """Network rows per image of one configuration: its network_evaluations() (else its steps), doubled with guidance
+    (rows run cheapest first)."""
+    cls, kwargs = CONFIGS[name]
+    sampler = cls(**kwargs)
+    calls = sampler.network_evaluations() if hasattr(sampler, "network_evaluations") else kwargs["steps"] or 1000
+    return calls * (2 if guidance else 1)
 
 
 def measure(net, loaded, sampler, guidance: float, args: argparse.Namespace, device: torch.device) -> dict:
@@ -245,7 +257,7 @@ def main() -> None:
     args = parse_args()
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
-    loaded = load_ema_model(args.ckpt, device)
+    loaded = load_model(args.ckpt, device)
     net = loaded.net
     guided_any = net.num_classes is not None
     args.precision = resolve_sampling_precision(args.precision, device)

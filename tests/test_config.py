@@ -33,6 +33,9 @@ from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
+from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
+from ddpm.diffusion.samplers.edm import EDMSampler
+from ddpm.diffusion.samplers.restart import RestartSampler
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule, check_batch
 from ddpm.optim import AdamW
@@ -45,7 +48,14 @@ TRAIN_GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name no
 OPTIONS = [(group, f.stem) for group in TRAIN_GROUPS for f in sorted((CONF / group).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 SAMPLERS = sorted(f.stem for f in (CONF / "sampler").glob("*.yaml"))
-SAMPLER_TYPES = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "dpm_solver": DPMSolverSampler}
+SAMPLER_TYPES = {
+    "ddpm": DDPMSampler,
+    "ddim": DDIMSampler,
+    "dpm_solver": DPMSolverSampler,
+    "dpm_solver_sde": DPMSolverSDESampler,
+    "edm": EDMSampler,
+    "restart": RestartSampler,
+}
 METRICS = sorted(f.stem for f in (CONF / "metrics").glob("*.yaml"))
 SMALL_MODEL = 5_000_000  # parameters: models below this also run a forward pass
 
