@@ -18,6 +18,7 @@ from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig
 
 from ddpm.precision import resolve_precision
+from ddpm.weights.atomic import atomic_write, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def save_plot(result: LRFindResult, path: Path) -> Path:
     ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
     return path
 
@@ -118,7 +119,7 @@ def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
     if trainer.is_global_zero:
         plot = save_plot(result, output_dir / "lr_find.png")
         record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested}
-        (output_dir / "lr_find.json").write_text(json.dumps(record) + "\n")
+        atomic_write_text(output_dir / "lr_find.json", json.dumps(record) + "\n")
         print(
             f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g}; "
             f"suggested optim.lr={suggested:.3g} (plot: {plot})"

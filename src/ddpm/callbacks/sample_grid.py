@@ -16,6 +16,7 @@ from ddpm.callbacks.ema import EMA
 from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
 from ddpm.diffusion.samplers.base import PRECISIONS
 from ddpm.sampling.runtime import check_guidance, resolve_sampling_precision
+from ddpm.weights.atomic import atomic_write
 
 
 def find_ema(trainer: pl.Trainer) -> EMA | None:
@@ -127,8 +128,7 @@ class SampleGrid(Callback):
         nrow = pl_module.net.num_classes or int(self.num_samples**0.5)
         grid = make_grid(out.images.float() / 255.0, nrow=nrow, padding=2, pad_value=1.0)
         path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_image(grid, path)
+        atomic_write(path, lambda f: save_image(grid, f, format="png"))
         caption = "labels: " + " ".join(map(str, out.labels.tolist())) if out.labels is not None else "unconditional"
         log_grid(trainer, grid, caption)
         return path

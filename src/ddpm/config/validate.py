@@ -146,18 +146,29 @@ class _Report:
             raise TypeError("config values of the wrong type:\n  " + "\n  ".join(self.types))
 
     def _suggestion(self, key: str) -> str:
-        """The known key closest to `key`: the same name elsewhere (lr -> optim.lr), a known synonym, or the most
-        similar name, preferring the key's own section."""
+        """The known key closest to `key`: in its own section first (the same name, a known synonym, or the most
+        similar name), then anywhere (lr -> optim.lr)."""
         section, _, leaf = key.rpartition(".")
         leaf = ALIASES.get(leaf, leaf)
-        by_leaf: dict[str, list[str]] = {}
-        for known in sorted(self.known):
-            by_leaf.setdefault(known.rsplit(".", 1)[-1], []).append(known)
-        names = by_leaf.get(leaf) or [
-            k for m in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6) for k in by_leaf[m]
-        ]
-        names.sort(key=lambda k: (not k.startswith(f"{section}.") if section else 0, k.count("."), k))
+        own = sorted(k for k in self.known if k.rpartition(".")[0] == section)
+        names = _closest(leaf, own) or _closest(leaf, sorted(self.known))
         return f"did you mean {names[0]}? (set it with {names[0]}=...)" if names else "no similar key exists"
+
+
+def _closest(leaf: str, keys: list[str]) -> list[str]:
+    """Keys whose last part is `leaf` (fewest dots first), else the one whose last part is most similar: difflib's
+    ratio plus the share of `_`-separated words in common (every_n_steps -> every_n_train_steps)."""
+    same = sorted((k for k in keys if k.rsplit(".", 1)[-1] == leaf), key=lambda k: k.count("."))
+    if same:
+        return same
+    scored = [(_similarity(leaf, k.rsplit(".", 1)[-1]), k) for k in keys]
+    best = max(scored, default=(0.0, ""))
+    return [best[1]] if best[0] >= 0.8 else []
+
+
+def _similarity(a: str, b: str) -> float:
+    words_a, words_b = set(a.lower().split("_")), set(b.lower().split("_"))
+    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio() + len(words_a & words_b) / len(words_a | words_b)
 
 
 ALIASES = {  # names users bring from other trainers -> ours

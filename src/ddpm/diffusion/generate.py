@@ -30,6 +30,10 @@ class Sampler(Protocol):
     ) -> Tensor: ...
 
 
+class NonFiniteSamplesError(FloatingPointError):
+    """A sampler returned NaN or inf: nothing is written, instead of black images."""
+
+
 @dataclass(frozen=True)
 class Generated:
     """images: (N, C, H, W) uint8 on CPU; labels: (N,) int64 or None; nfe: network calls per batch."""
@@ -157,7 +161,14 @@ def generate(
         x_T = torch.randn((stop - start, *image_shape), generator=generator, device=device)
         y = None if labels is None else labels[start - first_index : stop - first_index].to(device)
         with float32:
-            images.append(to_uint8(sampler.sample(model, x_T, y, generator=generator)).cpu())
+            x0 = sampler.sample(model, x_T, y, generator=generator)
+        if not bool(torch.isfinite(x0).all()):  # to_uint8 would write NaN as 0: black images
+            raise NonFiniteSamplesError(
+                f"the sampler produced NaN/inf images (batch of samples {start}..{stop - 1}): the network's outputs "
+                f"are not finite ({model.nfe} network calls so far); its weights may hold NaN/inf, or its "
+                f"{precision} arithmetic overflows"
+            )
+        images.append(to_uint8(x0).cpu())
         if on_batch is not None:
             on_batch(stop - start)
     batches = max(1, -(-num_samples // batch_size))

@@ -15,13 +15,14 @@ from torch import Tensor
 from torchvision.utils import make_grid, save_image
 
 from ddpm.config import validate_config
-from ddpm.diffusion.generate import Generated, class_cycle, compile_network
+from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycle, compile_network
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.metrics.sharding import init_from_env, world
 from ddpm.sampling.runtime import check_guidance, default_batch_size, resolve_device, resolve_sampling_precision
 from ddpm.weights import load_model
+from ddpm.weights.atomic import atomic_write, atomic_write_text
 from ddpm.weights.model import instantiate_local
 
 
@@ -54,11 +55,12 @@ def resolve_batch_size(batch_size: int | str | None, device: torch.device, *, gu
 
 def write_outputs(out: Generated, out_dir: Path, nrow: int) -> None:
     """grid.png (at most 256 images) and samples.npz: images (N, H, W, C) uint8, labels (N,) int64."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     shown = out.images[:256].float() / 255.0
-    save_image(make_grid(shown, nrow=nrow, padding=2, pad_value=1.0), out_dir / "grid.png")
+    grid = make_grid(shown, nrow=nrow, padding=2, pad_value=1.0)
+    atomic_write(out_dir / "grid.png", lambda f: save_image(grid, f, format="png"))
     labels = out.labels.numpy() if out.labels is not None else np.full(len(out.images), -1, dtype=np.int64)
-    np.savez(out_dir / "samples.npz", images=out.images.permute(0, 2, 3, 1).numpy(), labels=labels)
+    images = out.images.permute(0, 2, 3, 1).numpy()
+    atomic_write(out_dir / "samples.npz", lambda f: np.savez(f, images=images, labels=labels), size=images.nbytes)
 
 
 def requested_metrics(metrics: DictConfig | None) -> list[str]:
@@ -125,7 +127,34 @@ def _sample(cfg: DictConfig) -> Generated:
     channels_last = bool(cfg.get("channels_last", True))
     if channels_last:  # in place: this network is sample.py's own; before compiling (the graph keeps the layout)
         net = net.to(memory_format=torch.channels_last)
-    out = generate_sharded(
+    try:
+        out = _draw(cfg, net, diffusion, labels, batch_size, precision, compiled, device)
+    except NonFiniteSamplesError as error:
+        raise NonFiniteSamplesError(
+            f"{error}. Nothing was written. Check the weights of ckpt={cfg.ckpt} (an earlier checkpoint of the run), "
+            "or sample with precision=32"
+        ) from error
+    if world()[0] != 0:
+        return out
+    out_dir = Path(cfg.output_dir)
+    write_outputs(out, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
+    print(
+        f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
+        f"{out.nfe} network evaluations per batch; batch {batch_size}, precision {precision}"
+        f"{', channels_last' if channels_last else ''}{', compiled' if compiled else ''}) "
+        f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
+    )
+    if requested_metrics(cfg.get("metrics")):
+        values = measure(out, cfg, loaded.config, device)
+        text = json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2)
+        atomic_write_text(out_dir / "metrics.json", text)
+        print("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
+    return out
+
+
+def _draw(cfg: DictConfig, net, diffusion, labels, batch_size: int, precision, compiled: bool, device) -> Generated:
+    """All ranks' images of sample.py's settings (each rank draws its share)."""
+    return generate_sharded(
         net=compile_network(net) if compiled else net,  # compiled once, for every batch and step
         betas=diffusion.betas64(),
         prediction=diffusion.prediction,
@@ -141,18 +170,3 @@ def _sample(cfg: DictConfig) -> Generated:
         precision=precision,
         compile=compiled,
     )
-    if world()[0] != 0:
-        return out
-    out_dir = Path(cfg.output_dir)
-    write_outputs(out, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
-    print(
-        f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
-        f"{out.nfe} network evaluations per batch; batch {batch_size}, precision {precision}"
-        f"{', channels_last' if channels_last else ''}{', compiled' if compiled else ''}) "
-        f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
-    )
-    if requested_metrics(cfg.get("metrics")):
-        values = measure(out, cfg, loaded.config, device)
-        (out_dir / "metrics.json").write_text(json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2))
-        print("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
-    return out

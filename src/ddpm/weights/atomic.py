@@ -75,6 +75,16 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f), size=tensor_bytes(obj))
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """`data` to `path` atomically (`atomic_write`)."""
+    return atomic_write(path, lambda f: f.write(data), size=len(data))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """`text` (UTF-8) to `path` atomically (`atomic_write`)."""
+    return atomic_write_bytes(path, text.encode())
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in `obj` (nested dicts, lists and tuples): about what torch.save writes."""
     if torch.is_tensor(obj):

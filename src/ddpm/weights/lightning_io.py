@@ -13,7 +13,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ddpm.weights.atomic import atomic_save
-from ddpm.weights.model import CHECKPOINT_KEY, non_finite_tensors
+from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, non_finite_tensors
 from ddpm.weights.torch_file import load_checkpoint
 
 
@@ -42,4 +42,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         if weights_only is False:
             return super().load_checkpoint(path, weights_only=False)
-        return load_checkpoint(path)
+        checkpoint = load_checkpoint(path, key="ckpt_path")
+        bad = non_finite_tensors(checkpoint.get("state_dict", {})) + non_finite_tensors(
+            checkpoint.get(CHECKPOINT_KEY, {})
+        )
+        if bad:
+            raise CheckpointError(
+                f"{path}: weights {bad[:5]} hold NaN or inf; resuming would train from broken weights. Resume from "
+                "an earlier checkpoint of the run (ckpt_path=<run dir>/checkpoints/step_*.ckpt)"
+            )
+        return checkpoint

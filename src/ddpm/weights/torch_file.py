@@ -20,13 +20,20 @@ from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, LoadedModel, bui
 EXPORT_FORMAT = "lightning-ddpm/ema-export/1"
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """torch.load with weights_only=True, turning every failure into a CheckpointError that says what to do."""
+ADVICE = {  # what to pass instead, by the setting that named the file
+    "ckpt": "pass ckpt=<run dir>/ema.pt or a .ckpt written by train.py (<run dir>/checkpoints/last.ckpt)",
+    "ckpt_path": (
+        "resume with ckpt_path=<run dir> (its checkpoints/last.ckpt) or ckpt_path=<run dir>/checkpoints/step_*.ckpt"
+    ),
+}
+
+
+def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, Any]:
+    """torch.load with weights_only=True, turning every failure into a CheckpointError that says what to do;
+    `key` is the setting that named the file (ckpt for sample.py and export, ckpt_path for a resume)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} does not exist; pass ckpt=<run dir>/checkpoints/last.ckpt (or the run's ema.pt)"
-        )
+        raise CheckpointError(f"{key}={str(path)!r} does not exist; {ADVICE.get(key, ADVICE['ckpt'])}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -42,7 +49,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint:
         raise CheckpointError(
             f"{path} is a PyTorch file but not a lightning-ddpm checkpoint (no {CHECKPOINT_KEY!r}); "
-            "pass a .ckpt written by train.py or its ema.pt export"
+            f"{ADVICE.get(key, ADVICE['ckpt'])}"
         )
     return checkpoint
 

@@ -1,0 +1,242 @@
+"""Round 3 of ordinary mistakes and machine faults (config keys, numbers, failed writes, NaN weights): each ends in a
+clear stop that names the key or file and the fix, or in a correct run. docs/reliability.md lists them."""
+
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import CONF, PYTHON, REPO, TINY_RUN, compose, env, sample, train
+from omegaconf import OmegaConf
+
+from ddpm.config import UnknownKeyError, validate_config
+from ddpm.diffusion.generate import NonFiniteSamplesError, generate
+from ddpm.diffusion.samplers.ddim import DDIMSampler
+from ddpm.diffusion.schedule import linear_betas
+from ddpm.weights import CheckpointError, load_model
+from ddpm.weights.atomic import WriteError, atomic_save
+from ddpm.weights.lightning_io import AtomicCheckpointIO
+from ddpm.weights.model import CHECKPOINT_KEY
+from ddpm.weights.safetensors_file import save_ema_safetensors
+from ddpm.weights.torch_file import export_ema
+
+
+def composed(*overrides: str, name: str = "train"):
+    return compose(name, [*overrides, "paths.output_dir=/tmp/x" if name == "train" else "output_dir=/tmp/x"])
+
+
+# --- 1. keys no part of the run reads are refused, naming the closest known key ---------------------------------
+
+
+@pytest.mark.slow
+def test_train_py_refuses_plus_lr_naming_optim_lr(tmp_path: Path) -> None:
+    result = train("+lr=3e-4", *TINY_RUN, f"hydra.run.dir={tmp_path}", check=False)
+    assert result.returncode != 0
+    assert "lr: did you mean optim.lr?" in result.stderr
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "ema.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "named", "closest"),
+    [
+        ("+lr=3e-4", "lr", "optim.lr"),
+        ("+optim.learning_rate=3e-4", "optim.learning_rate", "optim.lr"),  # a synonym from other trainers
+        ("+data.batchsize=32", "data.batchsize", "data.batch_size"),  # a typo inside a _target_ node
+        ("+seeed=1", "seeed", "seed"),  # a typo of a top-level key
+        ("+trainer.max_step=10", "trainer.max_step", "trainer.max_steps"),  # Lightning's own arguments
+        ("+callbacks.checkpoint.every_n_steps=5", "callbacks.checkpoint.every_n_steps", "every_n_train_steps"),
+        ("+ema.decay_rate=0.9", "ema.decay_rate", "ema.decay"),
+    ],
+)
+def test_unknown_keys_are_refused_with_the_closest_known_key(override: str, named: str, closest: str) -> None:
+    with pytest.raises(UnknownKeyError, match="no part of the run reads") as info:
+        validate_config(composed(override), entry="train")
+    line = next(line for line in str(info.value).splitlines() if line.strip().startswith(f"{named}:"))
+    assert closest in line, line
+
+
+def test_sample_py_keys_are_checked_the_same_way() -> None:
+    with pytest.raises(UnknownKeyError, match=r"guidance_scale: did you mean guidance\?"):
+        validate_config(composed("+guidance_scale=3", name="sample"), entry="sample")
+    with pytest.raises(UnknownKeyError, match=r"sampler\.stepz: did you mean sampler\.steps\?"):
+        validate_config(composed("+sampler.stepz=3", name="sample"), entry="sample")
+
+
+def test_free_form_keys_stay_allowed() -> None:
+    """Names under callbacks/logger, keys referenced by interpolation and **kwargs targets are free-form."""
+    validate_config(
+        composed(
+            "logger=[csv,wandb]",
+            "+logger.wandb.notes=a note for wandb.init",  # WandbLogger(**kwargs) passes it to wandb.init
+            "+callbacks.extra={_target_: lightning.pytorch.callbacks.LearningRateMonitor}",
+            "data=mnist",  # data.root is read by ${data.root} in data.source.root
+        ),
+        entry="train",
+    )
+
+
+def test_a_target_that_cannot_be_imported_is_an_error_in_tests_and_a_warning_for_users(monkeypatch) -> None:
+    cfg = composed("+callbacks.bad={_target_: ddpm.callbacks.nowhere.Missing}")
+    with pytest.raises(TypeError, match=r"callbacks\.bad\._target_: ddpm\.callbacks\.nowhere\.Missing cannot be"):
+        validate_config(cfg, entry="train")  # DDPM_STRICT_CONFIG=1 in the tests (conftest.py)
+    monkeypatch.setenv("DDPM_STRICT_CONFIG", "0")
+    with pytest.warns(UserWarning, match=r"callbacks\.bad\._target_.*cannot be imported"):
+        validate_config(cfg, entry="train")
+
+
+# --- 9. whole numbers written as floats: accepted for int keys, else refused naming the key ---------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [("num_samples=2e1", "num_samples", 20), ("num_samples=20.0", "num_samples", 20),
+     ("batch_size=1e1", "batch_size", 10), ("labels=[1.0,2e0]", "labels", [1, 2]), ("seed=1e3", "seed", 1000)],
+)  # fmt: skip
+def test_sample_config_reads_whole_floats_as_ints(override: str, key: str, expected) -> None:
+    cfg = composed(override, name="sample")
+    checked = validate_config(cfg, entry="sample")
+    assert checked[key] == expected and OmegaConf.to_container(cfg)[key] == expected  # written back for later readers
+    assert OmegaConf.to_container(cfg)[key] == expected and repr(OmegaConf.to_container(cfg)[key]) == repr(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("num_samples=20.5", "num_samples=20.5 is not int"), ("trainer.max_steps=1e-1", "trainer.max_steps=0.1"),
+     ("data.batch_size=6.4e1", None), ("optim.warmup_steps=1e2", None)],
+)  # fmt: skip
+def test_fractional_numbers_for_int_keys_are_refused_naming_the_key(override: str, named: str | None) -> None:
+    name = "sample" if override.startswith("num_samples") else "train"
+    cfg = composed(override, name=name)
+    if named is None:  # a whole number: accepted, and an int afterwards
+        validate_config(cfg, entry=name)
+        assert isinstance(OmegaConf.select(cfg, override.split("=")[0]), int)
+        return
+    with pytest.raises(TypeError, match="config values of the wrong type") as info:
+        validate_config(cfg, entry=name)
+    assert named in str(info.value)
+
+
+@pytest.mark.slow
+def test_sample_py_num_samples_2e1_draws_20_images(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(*TINY_RUN, "trainer.max_steps=2e0", f"hydra.run.dir={run}")  # max_steps=2e0 trains 2 steps
+    assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 2 and (run / "ema.pt").is_file()
+    sample(f"ckpt={run}/ema.pt", "num_samples=2e1", "sampler.steps=2", f"output_dir={tmp_path / 's'}")
+    with np.load(tmp_path / "s" / "samples.npz") as npz:
+        assert npz["images"].shape[0] == 20
+    refused = sample(f"ckpt={run}/ema.pt", "num_samples=2.5e1", "batch_size=2.5", f"output_dir={tmp_path}", check=False)
+    assert refused.returncode != 0 and "batch_size=2.5 is not" in refused.stderr
+
+
+# --- 6. a failed write names the path, the bytes needed and free, and what to do; nothing is lost ----------------
+
+
+def test_torch_zip_writer_failure_is_one_clear_error(tmp_path: Path) -> None:
+    """torch.save under a file-size limit raises RuntimeError('unexpected pos'), not OSError: caught the same way."""
+    target = tmp_path / "big.pt"
+    atomic_save({"w": torch.zeros(10)}, target)
+    before = target.read_bytes()
+    script = (
+        "import resource, torch, sys; from ddpm.weights.atomic import atomic_save;"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000));"
+        f"atomic_save({{'w': torch.zeros(1_000_000)}}, {str(target)!r})"
+    )
+    result = subprocess.run([PYTHON, "-c", script], env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "WriteError" in result.stderr and f"could not write {target}" in result.stderr
+    assert "needs about 4.0 MB" in result.stderr and "free on its disk" in result.stderr and "ulimit" in result.stderr
+    assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["big.pt"]  # no temp file
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_mid_run_stops_with_the_message_and_keeps_earlier_checkpoints(tmp_path: Path) -> None:
+    """A real train.py run: after its first checkpoints are on disk, the process gets a 64 KB file-size limit (as
+    `ulimit -f` would set; prlimit on the running process), so its next checkpoint cannot be written."""
+    run = tmp_path / "run"
+    argv = [PYTHON, "train.py", *TINY_RUN, "trainer.max_steps=400", "callbacks.checkpoint.every_n_train_steps=2",
+            "callbacks.checkpoint.save_top_k=-1", "trainer.val_check_interval=1000",
+            f"hydra.run.dir={run}"]  # fmt: skip
+    process = subprocess.Popen(argv, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "step_0000004.ckpt").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoints"
+            time.sleep(0.1)
+        time.sleep(0.5)  # step 4's last.ckpt copy lands
+        kept = {p.name: p.read_bytes() for p in (run / "checkpoints").glob("step_*.ckpt")}
+        resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (64_000, 64_000))
+        _, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+    assert process.returncode != 0
+    assert "could not write" in stderr and "needs about" in stderr and "free on its disk" in stderr, stderr[-3000:]
+    assert "callbacks.checkpoint.dirpath" in stderr and "ckpt_path=" in stderr
+    for name, data in kept.items():  # earlier checkpoints intact
+        assert (run / "checkpoints" / name).read_bytes() == data
+        torch.load(run / "checkpoints" / name, weights_only=True)
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]  # no temp file left
+
+
+# --- 10. weights holding NaN are refused at load; a sampler that produces NaN stops -----------------------------
+
+
+def nan_run(folder: Path) -> dict[str, Path]:
+    """An ema.pt, ema.safetensors and a Lightning-style .ckpt of the tiny preset with one NaN conv filter."""
+    model = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "unet_tiny.yaml"))
+    diffusion = OmegaConf.to_container(OmegaConf.load(CONF / "diffusion" / "linear.yaml"))
+    config = {"model": model, "diffusion": diffusion}
+    from hydra.utils import instantiate
+
+    state = instantiate(model).state_dict()
+    state["conv_in.weight"][0] = float("nan")
+    ckpt = folder / "last.ckpt"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in state.items()}, CHECKPOINT_KEY: state, "global_step": 3,
+                "optimizer_states": [], "loops": {}, "hyper_parameters": {"config": config}}, ckpt)  # fmt: skip
+    return {
+        "pt": export_ema(folder / "ema.pt", state, config),
+        "safetensors": save_ema_safetensors(folder / "ema.safetensors", state, config),
+        "ckpt": ckpt,
+    }
+
+
+def test_nan_weights_are_refused_by_every_loader_naming_the_tensor(tmp_path: Path) -> None:
+    files = nan_run(tmp_path)
+    for kind in ("pt", "safetensors", "ckpt"):
+        with pytest.raises(CheckpointError, match=r"conv_in\.weight.*NaN or inf.*earlier checkpoint"):
+            load_model(files[kind])
+    with pytest.raises(CheckpointError, match=r"conv_in\.weight.*NaN or inf.*ckpt_path="):
+        AtomicCheckpointIO().load_checkpoint(files["ckpt"])  # a resume
+
+
+@pytest.mark.slow
+def test_sample_py_on_nan_weights_writes_nothing_and_names_the_tensor(tmp_path: Path) -> None:
+    files = nan_run(tmp_path)
+    out = tmp_path / "samples"
+    result = sample(f"ckpt={files['pt']}", "num_samples=4", "sampler.steps=2", f"output_dir={out}", check=False)
+    assert result.returncode != 0 and "conv_in.weight" in result.stderr and "NaN or inf" in result.stderr
+    assert not (out / "grid.png").exists() and not (out / "samples.npz").exists()
+    export = subprocess.run([PYTHON, "-m", "ddpm.export", f"ckpt={files['safetensors']}", f"out={tmp_path / 'x'}"],
+                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert export.returncode == 1 and "conv_in.weight" in export.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_sampler_that_produces_nan_stops_instead_of_writing_black_images() -> None:
+    calls = []
+
+    def net(x, t, y):  # outputs that turn NaN on the third call (clipping would hide inf, not NaN)
+        calls.append(1)
+        return torch.full_like(x, float("nan") if len(calls) >= 3 else 0.1)
+
+    with pytest.raises(NonFiniteSamplesError, match=r"NaN/inf images \(batch of samples 0\.\.3\).*not finite"):
+        generate(net=net, betas=linear_betas(1000), prediction="eps", sampler=DDIMSampler(steps=4),
+                 image_shape=(1, 4, 4), num_samples=4, batch_size=4)  # fmt: skip
+
+
+def test_write_error_is_an_oserror_for_callers_that_catch_those() -> None:
+    assert issubclass(WriteError, OSError) and os.strerror(28)
