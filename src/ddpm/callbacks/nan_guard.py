@@ -2,18 +2,48 @@
 
 Two signs of divergence, both checked with one host sync per optimizer step:
 
-- The global gradient 2-norm (the norm clipping uses) is NaN/inf: a NaN/inf loss or gradient, or
-  gradients so large that their norm overflows float32 (clipping would then scale them to zero and
-  Adam would keep moving the weights on its moments alone). The step is skipped: the gradients
-  are dropped, so the optimizer leaves the weights and its moments untouched (the LR schedule
-  still advances). After `max_consecutive` such steps in a row the run stops.
-- The loss stays far above its running level: more than `divergence_factor` times the lowest
-  debiased moving average of the loss (smoothing 0.98, as the LR range test), for
-  `divergence_patience` optimizer steps in a row. The run stops.
+- Non-finite: the global gradient 2-norm (the norm clipping uses) is NaN/inf: a NaN/inf loss or gradient, or
+  gradients so large that their norm overflows float32 (clipping would then scale them to zero and Adam would keep
+  moving the weights on its moments alone). The step is skipped: the gradients are dropped, so the optimizer leaves
+  the weights and its moments untouched (the LR schedule still advances). After `max_consecutive` such steps in a
+  row the run stops (`NonFiniteLossError`, "NaN/inf").
+- Loss level: the loss, finite, climbs far above where it has been. The run stops (`DivergenceError`, "the loss
+  has diverged").
 
-The check runs after the gradients of the step are complete (after all accumulated micro-batches,
-the DDP all-reduce and the fp16 unscale) and before clipping and the update. The loss check reads
-the losses of the micro-batches since the previous check, so it lags one optimizer step.
+The loss-level rule compares two debiased exponential moving averages of the log-loss (the mean loss of the
+micro-batches of one optimizer step, averaged over the ranks):
+
+- the current loss: a fast average, beta 0.9 (a time constant of 10 optimizer steps): it averages out single
+  batches and still crosses the threshold within about 10 steps of a jump;
+- the running level: a slow average, beta 0.998 (a time constant of 500 steps): a divergence, which takes tens of
+  steps, barely moves it, yet it follows a loss that changes for good reasons (a resume with another LR or warm-up,
+  a noisier phase, a slow drift) within a few hundred steps, a small part of a run of 10^4-10^5 steps. The rule
+  before it, the all-time minimum of the smoothed loss, never came back up: after one lucky stretch every later
+  batch looked diverged.
+
+Log-loss, because "`divergence_factor` times the level" is a difference of logs, and the average of logs (a
+geometric mean) is barely moved by the heavy tails of diffusion losses: one batch at 100x the level moves the fast
+average by a tenth of log(100), where it would move an average of the losses by ten levels. Both averages are
+debiased as Adam's moments are, so the first steps average what was seen instead of being pulled towards 0.
+
+A step counts as diverging when the fast average is above `divergence_factor` x the level; `divergence_patience`
+diverging steps stop the run. Each step back under the threshold takes one off the count instead of zeroing it:
+a good batch or two cannot reset a diverged run (the smooth fast average seldom even comes back under for one),
+and a loss flickering about the threshold still adds up. A diverging step is kept out of the level, and every loss
+enters the level clipped at the threshold, so neither a divergence nor the fast average's lag drags the level up
+after it. Steps count from the 11th loss on. In its first few dozen steps the level is the plain mean of the few
+losses seen, so a loss that creeps up from the very start takes its level along; a loss that jumps is caught (a
+real run at optim.lr=0.7 stops at step 16), and the non-finite path remains. The rule needs a positive loss (every
+loss of this package is a weighted mean square); a loss <= 0 is not tracked.
+
+What the defaults let pass (tests/test_divergence.py): a loss that steps up 3x and stays, climbs 10x every 3,000
+steps, or is lognormal noise (sigma 1) around a level never counts as diverging; a loss 50x up stops
+`divergence_patience` + 8 steps after the jump (the fast average crosses on the 9th). A loss that steps up more
+than 10x for good is, by this rule, a divergence: raise `divergence_factor` where that is expected.
+
+The check runs after the gradients of the step are complete (after all accumulated micro-batches, the DDP
+all-reduce and the fp16 unscale) and before clipping and the update. The loss check reads the losses of the
+micro-batches since the previous check, so it lags one optimizer step.
 """
 
 import math
@@ -27,8 +57,12 @@ from torch.optim import Optimizer
 
 from ddpm.callbacks.monitor import logs_this_step
 
-SMOOTHING = 0.98  # beta of the loss's moving average (Lightning's lr_find uses the same)
-WARMUP = 10  # updates of the moving average before its minimum counts as the running level
+FAST = 0.9  # beta of the fast average of the log-loss: a time constant of 1 / (1 - beta) = 10 optimizer steps
+SLOW = 0.998  # beta of the slow average, the running level: a time constant of 500 optimizer steps
+WARMUP = 10  # losses tracked before a step can count as diverging (from the 11th on)
+STATE = ("skipped", "consecutive", "fast", "fast_updates", "slow", "slow_updates", "above", "pending")
+LEGACY = ("skipped", "consecutive", "average", "updates", "level", "above")  # the state written before the slow level
+LEGACY_SMOOTHING = 0.98  # beta of the legacy state's average: it summarises about 50 steps
 
 
 def global_norm(tensors: list[Tensor]) -> Tensor:
@@ -43,6 +77,13 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return bool(global_norm(tensors).isfinite())
 
 
+def ema_update(mean: float, count: int, value: float, beta: float) -> tuple[float, int]:
+    """Add `value` to a debiased exponential moving average kept as (mean, count): after n values x_1..x_n, mean is
+    sum_i beta^(n-i) x_i / sum_i beta^(n-i), i.e. Adam's m_n / (1 - beta^n) (Kingma & Ba 2015, sec. 3)."""
+    count += 1
+    return mean + (1 - beta) / (1 - beta**count) * (value - mean), count
+
+
 class DivergenceError(RuntimeError):
     """The run diverged: its loss stayed far above its running level."""
 
@@ -53,14 +94,15 @@ class NonFiniteLossError(DivergenceError):
 
 class NaNGuard(Callback):
     """Skips steps with non-finite gradients (`train/skipped_steps`); stops after `max_consecutive` in a row, or when
-    the loss stays above `divergence_factor` x its running level for `divergence_patience` steps."""
+    the loss's 10-step average stays above `divergence_factor` x its 500-step average for `divergence_patience`
+    steps (see the module docstring)."""
 
     def __init__(
         self,
         *,
         max_consecutive: int = 10,  # skipped steps in a row before the run stops
-        divergence_factor: float = 10.0,  # a loss above this multiple of its running level counts as diverging
-        divergence_patience: int = 20,  # optimizer steps in a row above it before the run stops
+        divergence_factor: float = 10.0,  # a fast loss average above this multiple of the slow one is diverging
+        divergence_patience: int = 20,  # diverging optimizer steps (net of steps back under) before the run stops
     ) -> None:
         if max_consecutive < 1 or divergence_patience < 1:
             raise ValueError(
@@ -72,10 +114,15 @@ class NaNGuard(Callback):
         self.max_consecutive, self.factor, self.patience = max_consecutive, divergence_factor, divergence_patience
         self.skipped = 0  # skipped steps in this run so far
         self.consecutive = 0  # skipped steps since the last good one
-        self.average, self.updates = 0.0, 0  # moving average of the loss (biased) and its number of updates
-        self.level = math.inf  # lowest debiased average so far: the running level
-        self.above = 0  # checks in a row with the loss above factor x level
+        self.fast, self.fast_updates = 0.0, 0  # fast debiased average of the log-loss, and its number of values
+        self.slow, self.slow_updates = 0.0, 0  # slow debiased average of the log-loss (the running level), the same
+        self.above = 0  # diverging steps, less one per step back under the threshold (never below 0)
         self._losses: list[Tensor] = []  # this process's micro-batch losses since the last check (on the device)
+
+    @property
+    def level(self) -> float:
+        """The running level of the loss (the slow average, as a loss); inf before the first loss."""
+        return math.exp(self.slow) if self.slow_updates else math.inf
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -94,12 +141,13 @@ class NaNGuard(Callback):
             return
         values = [global_norm(grads)]
         if self._losses:  # averaged over the ranks, so every rank takes the same decision
-            mean = torch.stack(self._losses).mean().to(values[0].device)
+            device = values[0].device
+            mean = torch.stack([loss.to(device) for loss in self._losses]).mean()
             values.append(trainer.strategy.reduce(mean, reduce_op="mean"))
         norm, *loss = torch.stack(values).tolist()  # the one host sync of the guard
         self._losses = []
-        if loss and math.isfinite(loss[0]):
-            self._track(loss[0], trainer)
+        if loss and math.isfinite(loss[0]) and loss[0] > 0:
+            self._track(math.log(loss[0]), trainer)
         if math.isfinite(norm):
             self.consecutive = 0
             return
@@ -109,18 +157,18 @@ class NaNGuard(Callback):
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteLossError(self._message(trainer, self._nonfinite_cause()))
 
-    def _track(self, loss: float, trainer: pl.Trainer) -> None:
-        """Update the running level with `loss`; stop when the loss has stayed far above it for `patience` checks."""
-        if self.updates >= WARMUP and loss > self.factor * self.level:
-            self.above += 1  # a diverging loss is kept out of the average, so the level does not follow it
+    def _track(self, log_loss: float, trainer: pl.Trainer) -> None:
+        """Add one step's log-loss to both averages; stop once `patience` steps (net) had the fast one diverging."""
+        self.fast, self.fast_updates = ema_update(self.fast, self.fast_updates, log_loss, FAST)
+        threshold = self.slow + math.log(self.factor) if self.slow_updates else math.inf
+        if self.fast > threshold:  # diverging: kept out of the level, so the level does not follow it
+            if self.fast_updates > WARMUP:
+                self.above += 1
             if self.above >= self.patience:
-                raise DivergenceError(self._message(trainer, self._divergence_cause(loss)))
+                raise DivergenceError(self._message(trainer, self._divergence_cause()))
             return
-        self.above = 0
-        self.updates += 1
-        self.average = SMOOTHING * self.average + (1 - SMOOTHING) * loss
-        if self.updates >= WARMUP:
-            self.level = min(self.level, self.average / (1 - SMOOTHING**self.updates))
+        self.above = max(self.above - 1, 0)
+        self.slow, self.slow_updates = ema_update(self.slow, self.slow_updates, min(log_loss, threshold), SLOW)
 
     def _nonfinite_cause(self) -> str:
         return (
@@ -128,10 +176,11 @@ class NaNGuard(Callback):
             f"{self.consecutive} optimizer steps in a row"
         )
 
-    def _divergence_cause(self, loss: float) -> str:
+    def _divergence_cause(self) -> str:
         return (
-            f"the loss has diverged: {loss:.3g}, above {self.factor:g}x its running level {self.level:.3g} for "
-            f"{self.above} optimizer steps in a row"
+            f"the loss has diverged: its recent average {math.exp(self.fast):.3g} (10-step moving average) stayed "
+            f"above {self.factor:g}x its running level {self.level:.3g} (500-step moving average) for {self.above} "
+            "optimizer steps"
         )
 
     def _message(self, trainer: pl.Trainer, cause: str) -> str:
@@ -145,9 +194,34 @@ class NaNGuard(Callback):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        keys = ("skipped", "consecutive", "average", "updates", "level", "above")
-        return {key: getattr(self, key) for key in keys}
+        state = {key: getattr(self, key) for key in STATE if key != "pending"}
+        return state | {"pending": [float(loss) for loss in self._losses]}  # losses of a step not yet checked
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key, value in state_dict.items():
-            setattr(self, key, value)
+        """Restore a state from `state_dict`, or convert one written before the slow level (keys `LEGACY`)."""
+        keys = set(state_dict)
+        if keys == set(LEGACY):
+            return self._load_legacy(state_dict)
+        if keys != set(STATE):
+            raise ValueError(
+                f"the checkpoint's NaNGuard state has keys {sorted(keys)}, not {list(STATE)} (nor the older "
+                f"{list(LEGACY)}); it was written by another version of ddpm.callbacks.nan_guard. Resume from "
+                "another checkpoint, or remove checkpoint['callbacks']['NaNGuard'] to start the guard afresh"
+            )
+        for key in STATE[:-1]:
+            setattr(self, key, state_dict[key])
+        self._losses = [torch.tensor(float(loss)) for loss in state_dict["pending"]]
+
+    def _load_legacy(self, state: dict[str, Any]) -> None:
+        """The legacy state kept a biased moving average of the loss (beta 0.98) and its all-time minimum: its
+        debiased average seeds both averages, weighing as its ~50 steps in the slow one; the minimum is dropped."""
+        self.skipped, self.consecutive = int(state["skipped"]), int(state["consecutive"])
+        self.above, self._losses = 0, []
+        updates, average = int(state["updates"]), float(state["average"])
+        mean = average / (1 - LEGACY_SMOOTHING**updates) if updates > 0 else math.nan
+        if not (math.isfinite(mean) and mean > 0):
+            self.fast, self.fast_updates, self.slow, self.slow_updates = 0.0, 0, 0.0, 0
+            return
+        window = round(1 / (1 - LEGACY_SMOOTHING))
+        self.fast, self.fast_updates = math.log(mean), updates
+        self.slow, self.slow_updates = math.log(mean), min(updates, window)

@@ -1,0 +1,247 @@
+"""NaNGuard's two stops, each by its own path: non-finite gradients (NaN/inf, or a norm that overflows float32) and a
+finite loss that climbs far above its running level (a slow moving average, not the all-time minimum).
+
+The loss-level sequences are per-optimizer-step mean losses; `drive` feeds them as Lightning would."""
+
+import csv
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_RUN, train
+
+from ddpm.callbacks.nan_guard import LEGACY, DivergenceError, NaNGuard, NonFiniteLossError
+
+BASE = 0.05  # a trained diffusion loss
+STEADY = [BASE] * 1000  # 1,000 steps at it: two time constants of the level
+
+
+def drive(guard: NaNGuard, losses: list[float], grad_scale: float = 1.0) -> None:
+    """Feed `guard` one optimizer step per loss (batch end, then the next step's check)."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    checkpoint = SimpleNamespace(last_model_path="run/checkpoints/last.ckpt")
+    trainer = SimpleNamespace(global_step=0, checkpoint_callback=checkpoint, fast_dev_run=False,
+                              strategy=SimpleNamespace(reduce=lambda x, reduce_op: x),
+                              _logger_connector=SimpleNamespace(should_update_logs=False))  # fmt: skip
+    module = SimpleNamespace(log=lambda *a, **k: None)
+    for step, loss in enumerate(losses):
+        trainer.global_step = step
+        param.grad = torch.full((4,), grad_scale)
+        guard.on_before_optimizer_step(trainer, module, optimizer)
+        guard.on_train_batch_end(trainer, module, {"loss": torch.tensor(float(loss))}, None, step)
+
+
+def lognormal(level: float, sigma: float, n: int, seed: int = 0) -> list[float]:
+    """`n` heavy-tailed losses: `level` x exp(N(0, sigma^2)) (median `level`; sigma 1 puts 1 in 100 above 10x)."""
+    return (level * np.exp(np.random.default_rng(seed).normal(0.0, sigma, n))).tolist()
+
+
+# --- a loss that rises for good reasons is not divergence ----------------------------------------------------------
+
+
+def test_a_loss_that_steps_up_3x_and_stays_is_not_divergence_and_the_level_follows_it() -> None:
+    """As after a resume with a higher LR: the old all-time minimum stayed at 0.05 for ever; a 500-step average is
+    at the new loss after a few time constants (its distance shrinks as exp(-steps / 500))."""
+    guard = NaNGuard(divergence_patience=1)  # not one step counted as diverging
+    drive(guard, STEADY + [3 * BASE] * 3000)
+    assert guard.above == 0
+    assert guard.level == pytest.approx(3 * BASE, rel=0.01)
+
+
+def test_a_loss_that_climbs_slowly_for_thousands_of_steps_is_not_divergence() -> None:
+    """10x per 3,000 steps. On a ramp of slope s in log-loss, a debiased EMA of beta lags by s * beta / (1 - beta):
+    9 steps for the fast average, 499 for the level, so the fast one sits exp(s * 490) = 1.458x above the level."""
+    slope = math.log(10) / 3000
+    guard = NaNGuard(divergence_patience=1)
+    drive(guard, [BASE * math.exp(slope * i) for i in range(6000)])
+    assert guard.above == 0
+    assert math.exp(guard.fast - guard.slow) == pytest.approx(math.exp(slope * 490), rel=0.01)
+
+
+def test_heavy_tailed_noise_around_a_level_never_stops_the_run() -> None:
+    """Lognormal batch losses, sigma 1 (spikes to 40x the median in 5,000 steps): the 10-step average of log-loss
+    has a standard deviation of sigma * sqrt(0.1 / 1.9) = 0.23, ten of them below log(10)."""
+    losses = lognormal(BASE, 1.0, 5000)
+    assert max(losses) > 20 * BASE  # the tail is there
+    guard = NaNGuard(divergence_patience=1)
+    drive(guard, losses)
+    assert guard.above == 0
+    assert guard.level == pytest.approx(BASE, rel=0.25)  # the median of the lognormal: log-loss averages to it
+
+
+def test_a_lucky_stretch_does_not_lower_the_bar_for_good() -> None:
+    """100 steps at 1/12 of the loss, then back to it: the old all-time minimum made every later batch a 12x
+    divergence; the level dips by a fifth of the gap (1 - exp(-100 / 500)) and comes back."""
+    guard = NaNGuard(divergence_patience=1)
+    drive(guard, lognormal(BASE, 0.3, 1000) + [BASE / 12] * 100 + lognormal(BASE, 0.3, 2000, seed=1))
+    assert guard.above == 0
+    assert guard.level == pytest.approx(BASE, rel=0.1)
+
+
+# --- a loss that diverges stops the run -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patience", [5, 20])
+def test_a_loss_that_jumps_50x_and_stays_stops_after_the_lag_and_the_patience(patience: int) -> None:
+    """The fast average (beta 0.9) crosses 10x the level on the k-th step at 50x, the first k with
+    log(50) * (1 - 0.9**k) > log(10): k = 9. From there, `patience` steps."""
+    lag = next(k for k in range(1, 100) if math.log(50) * (1 - 0.9**k) > math.log(10))
+    assert lag == 9
+    guard = NaNGuard(divergence_patience=patience)
+    with pytest.raises(DivergenceError) as info:
+        drive(guard, [*STEADY, *[50 * BASE] * 100])
+    assert guard.fast_updates == len(STEADY) + lag - 1 + patience  # losses seen when it stopped
+    assert guard.level == pytest.approx(BASE, rel=0.1)  # the divergence (and the lag) stayed out of the level
+    message = str(info.value)
+    assert message.startswith("the loss has diverged: its recent average") and "NaN" not in message
+    assert "above 10x its running level 0.05" in message and f"for {patience} optimizer steps" in message
+    assert "optim.lr" in message and "Last good checkpoint: run/checkpoints/last.ckpt" in message
+    assert type(info.value) is DivergenceError
+
+
+def test_a_noisy_loss_that_jumps_50x_stops_too() -> None:
+    guard = NaNGuard(divergence_patience=20)
+    with pytest.raises(DivergenceError):
+        drive(guard, lognormal(BASE, 1.0, 1000) + lognormal(50 * BASE, 1.0, 200, seed=1))
+    assert len(STEADY) + 20 <= guard.fast_updates <= len(STEADY) + 40
+
+
+def test_a_loss_flickering_between_1000x_and_its_level_stops() -> None:
+    """Every other batch back at the level: the old rule, which compared single batches and reset its count on
+    each good one, never stopped this run (its geometric mean is 31.6x the level)."""
+    guard = NaNGuard(divergence_patience=20)
+    with pytest.raises(DivergenceError):
+        drive(guard, STEADY + [1000 * BASE, BASE] * 100)
+    assert guard.fast_updates <= len(STEADY) + 40
+
+
+def test_steps_back_under_the_threshold_take_one_off_the_count_instead_of_resetting_it() -> None:
+    """Blocks of 15 steps at 100x and 5 at the level: the fast average goes back under 10x on the 5th good step of
+    each block, and a count reset there never gets past 19 (4 of the block's good steps are still above)."""
+    guard = NaNGuard(divergence_patience=20)
+    with pytest.raises(DivergenceError):
+        drive(guard, STEADY + ([100 * BASE] * 15 + [BASE] * 5) * 20)
+    assert guard.fast_updates <= len(STEADY) + 40
+
+
+# --- non-finite gradients: the other path ---------------------------------------------------------------------------
+
+
+def test_a_gradient_norm_that_overflows_float32_is_a_skipped_step() -> None:
+    """Every element is finite (1e30) but the global 2-norm is 2e30 * ... > 3.4e38: clipping would zero the
+    gradients and Adam would go on moving the weights on its moments. Such steps are skipped and stop the run."""
+    grads = torch.full((4,), 1e30)
+    assert grads.isfinite().all() and not math.isfinite(torch.linalg.vector_norm(grads).item())
+    guard = NaNGuard(max_consecutive=3)
+    with pytest.raises(NonFiniteLossError, match=r"NaN/inf .*overflowed.* 3 optimizer steps in a row, up to step 3"):
+        drive(guard, [1.0] * 5, grad_scale=1e30)
+    assert guard.skipped == 3
+
+
+# --- the state in checkpoints ---------------------------------------------------------------------------------------
+
+
+def test_a_resumed_guard_stops_exactly_where_the_straight_one_does() -> None:
+    """The state (both averages, their counts, the count above, the losses not yet checked) is complete: a guard
+    rebuilt from a state_dict halfway goes on exactly as the one that never stopped."""
+    losses = lognormal(BASE, 0.5, 800) + lognormal(30 * BASE, 0.5, 100, seed=1)
+    straight = NaNGuard(divergence_patience=10)
+    with pytest.raises(DivergenceError) as expected:
+        drive(straight, losses)
+    first = NaNGuard(divergence_patience=10)
+    drive(first, losses[:814])
+    assert first.above > 0 and first.state_dict()["pending"] == [pytest.approx(losses[813])]
+    resumed = NaNGuard(divergence_patience=10)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.state_dict() == first.state_dict()
+    with pytest.raises(DivergenceError) as got:
+        drive(resumed, losses[814:])
+    assert resumed.state_dict() == straight.state_dict()
+    assert str(got.value).split(", up to step")[0] == str(expected.value).split(", up to step")[0]
+
+
+def test_a_state_saved_before_the_slow_level_loads_and_drops_its_minimum() -> None:
+    """The old state: a biased beta-0.98 average of the loss (debiased: 0.049 after 300 updates) and the lowest
+    one (0.001, from a lucky stretch), against which every loss of 0.05 was a 50x divergence."""
+    old = {"skipped": 2, "consecutive": 1, "average": 0.049 * (1 - 0.98**300), "updates": 300, "level": 0.001,
+           "above": 3}  # fmt: skip
+    assert set(old) == set(LEGACY)
+    guard = NaNGuard(divergence_patience=1)
+    guard.load_state_dict(old)
+    assert (guard.skipped, guard.consecutive, guard.above) == (2, 1, 0)
+    assert guard.level == pytest.approx(0.049)
+    drive(guard, [BASE] * 200)
+    assert guard.above == 0 and guard.level == pytest.approx(BASE, rel=0.01)
+    with pytest.raises(DivergenceError):
+        drive(guard, [50 * BASE] * 50)
+
+
+def test_a_state_of_unknown_shape_is_refused_naming_the_keys() -> None:
+    state = NaNGuard().state_dict() | {"window": [1.0]}
+    with pytest.raises(ValueError, match=r"'window'.*another version of ddpm.callbacks.nan_guard"):
+        NaNGuard().load_state_dict(state)
+
+
+# --- real train.py runs: each path stops its own divergence ---------------------------------------------------------
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        return [r for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+def assert_checkpoints_finite(run_dir: Path) -> None:
+    paths = list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert paths, "no checkpoint was written before the stop"
+    for path in paths:
+        state = torch.load(path, weights_only=True)["state_dict"]
+        assert all(v.isfinite().all() for v in state.values()), path
+
+
+@pytest.mark.slow
+def test_train_py_with_a_high_but_finite_lr_is_stopped_by_the_loss_level(tmp_path: Path) -> None:
+    """optim.lr=0.7 (3,500x the default) from step 0: the loss jumps to 4-500x its first value (1.0: the output
+    layer starts at zero) and stays there, every loss and gradient norm finite (clipped at 1.0, never skipped), so
+    the NaN path never fires; the level detector stops the run after its 10-step warm-up and 5 steps of patience."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_RUN, "trainer.max_steps=60", "trainer.val_check_interval=60", "callbacks.sample_grid=null",
+                 "callbacks.checkpoint.every_n_train_steps=5", "optim.lr=0.7", "optim.warmup_steps=0",
+                 "callbacks.nan_guard.divergence_patience=5", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    result = train(*overrides, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "DivergenceError: the loss has diverged" in output, output[-3000:]
+    assert "NonFiniteLossError" not in output and "NaN/inf" not in output
+    stop = re.search(r"above 10x its running level .* for 5 optimizer steps, up to step (\d+) \(0 skipped", output)
+    assert stop, output[-3000:]
+    assert "lower optim.lr" in output and f"Last good checkpoint: {run_dir / 'checkpoints'}" in output
+    rows = read_metrics(run_dir)
+    losses = [float(r["train/loss"]) for r in rows]
+    assert all(math.isfinite(v) for v in losses) and max(losses) > 100 * losses[0]  # it blew up, finite
+    assert all(math.isfinite(float(r["train/grad_norm"])) for r in rows if r.get("train/grad_norm"))
+    assert all(float(r["train/skipped_steps"]) == 0 for r in rows if r.get("train/skipped_steps"))
+    assert max(int(r["step"]) for r in rows) < 30 and int(stop.group(1)) < 30  # long before max_steps
+    assert_checkpoints_finite(run_dir)
+
+
+@pytest.mark.slow
+def test_train_py_with_an_absurd_lr_is_stopped_by_the_non_finite_path(tmp_path: Path) -> None:
+    """The review's run: optim.lr=1e12 optim.warmup_steps=0 logged train/loss 3.5e28 and an inf grad norm and went
+    on for ever. Its gradients overflow: the steps are skipped and the run stops, naming the LR, checkpoints intact."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_RUN, "trainer.max_steps=300", "callbacks.checkpoint.every_n_train_steps=10",
+                 "callbacks.sample_grid=null", "trainer.val_check_interval=50"]  # fmt: skip
+    result = train(*overrides, "optim.lr=1e12", "optim.warmup_steps=0", f"hydra.run.dir={run_dir}", check=False)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "NonFiniteLossError: the loss or gradients were NaN/inf" in output, output[-3000:]
+    assert "DivergenceError: the loss has diverged" not in output
+    assert re.search(r"in a row, up to step \d+", output) and "lower optim.lr" in output
+    assert f"Last good checkpoint: {run_dir / 'checkpoints'}" in output
+    assert max(int(r["step"]) for r in read_metrics(run_dir)) < 150  # stopped, long before max_steps
+    assert_checkpoints_finite(run_dir)
