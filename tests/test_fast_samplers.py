@@ -510,7 +510,7 @@ def test_sampler_config_instantiates_with_overrides(name, cls, tmp_path):
         (lambda: DDIMSampler(eta=-0.1), "sampler.eta"),
         (lambda: DDIMSampler(steps_offset=-1), "sampler.steps_offset"),
         (lambda: DPMSolverSampler(order=3), "sampler.order"),
-        (lambda: DPMSolverSampler(spacing="karras"), "sampler.spacing"),
+        (lambda: DPMSolverSampler(spacing="quadratic"), "sampler.spacing"),
         (lambda: DDIMSampler(steps=T + 1).timesteps(T), "sampler.steps"),
         (lambda: DDIMSampler(steps=T, spacing="leading", steps_offset=1).timesteps(T), "sampler.steps_offset"),
         (lambda: DPMSolverSampler(steps=T, spacing="linspace").timesteps(T), "sampler.steps"),

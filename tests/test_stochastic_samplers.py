@@ -16,7 +16,9 @@ from helpers import CONF, compose
 from hydra.utils import instantiate
 
 from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
 from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
@@ -335,7 +337,7 @@ def test_same_seed_same_images_float32(name):
     ("build", "key"),
     [
         (lambda: DPMSolverSDESampler(steps=0), "sampler.steps"),
-        (lambda: DPMSolverSDESampler(spacing="karras"), "sampler.spacing"),
+        (lambda: DPMSolverSDESampler(spacing="quadratic"), "sampler.spacing"),
         (lambda: DPMSolverSDESampler(steps_offset=-1), "sampler.steps_offset"),
         (lambda: EDMSampler(steps=0), "sampler.steps"),
         (lambda: EDMSampler(churn=-1), "sampler.churn=-1 must be >= 0"),
@@ -379,3 +381,48 @@ def test_sampler_config_instantiates_within_25_nfe(name, cls, nfe, tmp_path):
     lines = (CONF / "sampler" / f"{name}.yaml").read_text().splitlines()
     keys = [line for line in lines if line and not line.startswith(("#", "_target_"))]
     assert keys and all("#" in line for line in keys)
+
+
+# --- schedule-aware spacings (logsnr, karras) for the DPM-Solvers ---------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("steps", [5, 10, 20, 25])
+def test_logsnr_and_karras_grids_are_their_closed_forms_rounded(schedule, steps):
+    """logsnr: lambda of the chosen t is the nearest available to a grid uniform in lambda (Lu et al. 2022);
+    karras: sigma^(1/7) uniform (Karras et al. 2022, eq. 5); both from min(sigma_{T-1}, 80) to sigma_0, with t = T - 1
+    first and t = 0 last."""
+    alpha_bar = torch.from_numpy(alpha_bar64(make_betas(schedule, T)))
+    lam = 0.5 * (alpha_bar.log() - (1 - alpha_bar).log())
+    top = max(float(lam[-1]), -math.log(80.0))
+    for spacing, target in (
+        ("logsnr", np.linspace(top, float(lam[0]), steps)),
+        ("karras", -np.log(np.linspace(math.exp(-top) ** (1 / 7), math.exp(-float(lam[0])) ** (1 / 7), steps) ** 7)),
+    ):
+        grid = DPMSolverSDESampler(steps=steps, spacing=spacing).timesteps(T, alpha_bar).tolist()
+        assert grid[0] == T - 1 and grid[-1] == 0 and all(a > b for a, b in itertools.pairwise(grid))
+        for t, wanted in zip(grid[1:], target[1:], strict=True):  # the nearest timestep to each grid point
+            assert abs(float(lam[t]) - wanted) <= float((lam - wanted).abs().min()) + 1e-12, (spacing, t, wanted)
+
+
+def test_schedule_spacings_need_the_schedule_and_are_refused_for_ddim():
+    with pytest.raises(ValueError, match="follows the schedule"):
+        DPMSolverSampler(steps=10, spacing="logsnr").timesteps(T)
+    with pytest.raises(ValueError, match=r"sampler.spacing=karras is for sampler=dpm_solver"):
+        DDIMSampler(steps=10, spacing="karras")
+
+
+@pytest.mark.parametrize("cls", [DPMSolverSampler, DPMSolverSDESampler])
+def test_logsnr_spacing_removes_the_trailing_grids_blur_on_the_gaussian_data(cls):
+    """At 25 network calls the trailing grid's last call is at t = 39 (sigma 0.15 here): E[x0 | x_39] keeps only ~80%
+    of the data's std S. The logsnr grid ends at t = 0 and lands within 3% of S (closed form: an exact sampler
+    returns std S)."""
+    betas = make_betas("linear", T)
+    stds = {}
+    for spacing in ("trailing", "logsnr"):
+        generator = torch.Generator().manual_seed(5)
+        x_T = torch.randn((4096, 1, 4, 4), generator=generator)
+        model = GuidedModel(net=gaussian_net(betas, []), betas=betas)
+        out = cls(steps=25, spacing=spacing, clip_denoised=False).sample(model, x_T, None, generator=generator)
+        stds[spacing] = out.double().std().item() / S
+    assert abs(stds["logsnr"] - 1) < 0.03 and stds["trailing"] < 0.85, stds

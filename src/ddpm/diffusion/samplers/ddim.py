@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ddpm.diffusion.samplers.base import GuidedModel
-from ddpm.diffusion.samplers.spacing import Spacing, step_timesteps, validate_spacing
+from ddpm.diffusion.samplers.spacing import SCHEDULE_SPACINGS, Spacing, step_timesteps, validate_spacing
 
 
 def ddim_coefficients(alpha_bar: Tensor, eta: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -46,6 +46,8 @@ class DDIMSampler:
         clip_denoised: bool = True,  # clip the predicted x0 to [-1, 1] (and re-derive eps from it)
     ) -> None:
         validate_spacing(spacing, steps, steps_offset)
+        if spacing in SCHEDULE_SPACINGS:
+            raise ValueError(f"sampler.spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
         if eta < 0:
             raise ValueError(f"sampler.eta={eta} must be >= 0 (0 = deterministic DDIM, 1 = DDPM-like noise)")
         self.steps, self.eta, self.spacing = steps, eta, spacing

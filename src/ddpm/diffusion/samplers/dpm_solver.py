@@ -53,7 +53,7 @@ class DPMSolverSampler:
         *,
         steps: int = 20,  # S timesteps visited (S network evaluations)
         order: Literal[1, 2] = 2,  # 2: DPM-Solver++(2M); 1: first order (= DDIM, eta = 0)
-        spacing: Spacing = "trailing",  # which S of the T timesteps: trailing, leading or linspace
+        spacing: Spacing = "trailing",  # which S of the T timesteps: trailing, leading, linspace, logsnr, karras
         steps_offset: int = 0,  # added to `leading` timesteps (Stable Diffusion: 1); ignored by the others
         clip_denoised: bool = True,  # clip the predicted x0 to [-1, 1] before each update
     ) -> None:
@@ -63,9 +63,11 @@ class DPMSolverSampler:
         self.steps, self.order, self.spacing = steps, order, spacing
         self.steps_offset, self.clip_denoised = steps_offset, clip_denoised
 
-    def timesteps(self, num_timesteps: int) -> Tensor:
+    def timesteps(self, num_timesteps: int, alpha_bar: Tensor | None = None) -> Tensor:
         """The visited timesteps, descending: (S,) int64."""
-        return interval_timesteps(self.spacing, num_timesteps, self.steps, steps_offset=self.steps_offset)
+        return interval_timesteps(
+            self.spacing, num_timesteps, self.steps, steps_offset=self.steps_offset, alpha_bar=alpha_bar
+        )
 
     def step_order(self, i: int) -> int:
         """1 on the first step (no history) and the last (into sigma = 0), else `order`."""
@@ -76,7 +78,7 @@ class DPMSolverSampler:
         self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
     ) -> Tensor:
         """Solve from x_T (B, C, H, W) ~ N(0, I) to sigma = 0; returns x0 (B, C, H, W) in [-1, 1]. Deterministic."""
-        visited = self.timesteps(model.num_timesteps)
+        visited = self.timesteps(model.num_timesteps, model.alpha_bar)
         ratio, phi, r = (c.tolist() for c in dpm_solver_coefficients(model.alpha_bar[visited]))
         x, previous = x_T.float(), None
         for i, step in enumerate(visited.tolist()):

@@ -46,7 +46,7 @@ class DPMSolverSDESampler:
         self,
         *,
         steps: int = 20,  # S timesteps visited (S network evaluations)
-        spacing: Spacing = "trailing",  # which S of the T timesteps: trailing, leading or linspace
+        spacing: Spacing = "trailing",  # which S of the T timesteps: trailing, leading, linspace, logsnr, karras
         steps_offset: int = 0,  # added to `leading` timesteps (Stable Diffusion: 1); ignored by the others
         clip_denoised: bool = True,  # clip the predicted x0 to [-1, 1] before each update
     ) -> None:
@@ -54,9 +54,11 @@ class DPMSolverSDESampler:
         self.steps, self.spacing = steps, spacing
         self.steps_offset, self.clip_denoised = steps_offset, clip_denoised
 
-    def timesteps(self, num_timesteps: int) -> Tensor:
+    def timesteps(self, num_timesteps: int, alpha_bar: Tensor | None = None) -> Tensor:
         """The visited timesteps, descending: (S,) int64 (DPMSolverSampler's grid)."""
-        return interval_timesteps(self.spacing, num_timesteps, self.steps, steps_offset=self.steps_offset)
+        return interval_timesteps(
+            self.spacing, num_timesteps, self.steps, steps_offset=self.steps_offset, alpha_bar=alpha_bar
+        )
 
     def network_evaluations(self) -> int:
         """Network calls per batch: one per visited timestep."""
@@ -71,7 +73,7 @@ class DPMSolverSDESampler:
         self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
     ) -> Tensor:
         """Solve from x_T (B, C, H, W) ~ N(0, I) to sigma = 0; returns x0 (B, C, H, W) in [-1, 1]."""
-        visited = self.timesteps(model.num_timesteps)
+        visited = self.timesteps(model.num_timesteps, model.alpha_bar)
         ratio, phi, noise, r = (c.tolist() for c in sde_dpm_solver_coefficients(model.alpha_bar[visited]))
         x, previous = x_T.float(), None
         for i, step in enumerate(visited.tolist()):
