@@ -91,7 +91,9 @@ class DiffusionModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         global_batch = self.global_batch_size()
-        optimizer, schedule = self.optim.build(list(self.net.parameters()), global_batch_size=global_batch)
+        optimizer, schedule = self.optim.build(
+            list(self.net.parameters()), global_batch_size=global_batch, total_steps=self.trainer.max_steps
+        )
         self.scaled_lr = self.optim.scaled_lr(global_batch)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

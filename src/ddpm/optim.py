@@ -1,4 +1,11 @@
-"""AdamW with linear warm-up and an optional batch-size scaling rule. Plain torch."""
+"""AdamW with linear warm-up, an optional decay to the last step, and an optional batch-size scaling rule.
+Plain torch.
+
+The LR after `step` optimizer steps of a run of `total` steps is lr x warm-up x decay (Loshchilov & Hutter 2017
+for cosine): warm-up = min(1, (step + 1) / warmup_steps); decay = 1 (none), or with p = (step - warmup_steps) /
+(total - warmup_steps) clipped to [0, 1], min_lr_ratio + (1 - min_lr_ratio) (1 + cos(pi p)) / 2 (cosine) or
+min_lr_ratio + (1 - min_lr_ratio) (1 - p) (linear).
+"""
 
 import math
 from dataclasses import dataclass
@@ -8,6 +15,7 @@ import torch
 from torch import nn
 
 ScalingRule = Literal["none", "linear", "sqrt"]
+Decay = Literal["none", "cosine", "linear"]
 SCALING: dict[str, float] = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # exponent of global / base batch
 
 
@@ -22,6 +30,10 @@ class AdamW:
     warmup_steps: int = 5000  # linear warm-up from 0 over this many optimizer steps; 0 = none
     scaling: ScalingRule = "none"  # LR scaling rule from base_batch_size to the global batch
     base_batch_size: int = 64  # the batch size `lr` was tuned at
+    decay: Decay = (
+        "none"  # after warm-up: none (constant LR), cosine or linear down to min_lr_ratio x lr at the last step
+    )
+    min_lr_ratio: float = 0.0  # the LR the decay ends at, as a fraction of lr
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -36,6 +48,10 @@ class AdamW:
             raise ValueError(f"optim.scaling={self.scaling!r} is unknown; use one of {sorted(SCALING)}")
         if self.base_batch_size < 1:
             raise ValueError(f"optim.base_batch_size={self.base_batch_size} must be >= 1")
+        if self.decay not in ("none", "cosine", "linear"):
+            raise ValueError(f"optim.decay={self.decay!r} is unknown; use none, cosine or linear")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
     def scaled_lr(self, global_batch_size: int) -> float:
         """lr * (global / base) ** p, p = 0 (none), 1 (linear, Goyal et al. 2017) or 1/2 (sqrt)."""
@@ -45,10 +61,25 @@ class AdamW:
         """LR multiplier after `step` optimizer steps: linear from 1/warmup to 1, then constant."""
         return 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
 
+    def lr_factor(self, step: int, total_steps: int | None = None) -> float:
+        """LR multiplier after `step` optimizer steps of a run of `total_steps`: warm-up x decay (module docstring)."""
+        factor = self.warmup_factor(step)
+        if self.decay == "none":
+            return factor
+        if total_steps is None or total_steps <= 0:
+            raise ValueError(
+                f"optim.decay={self.decay} decays the LR to the last step, so it needs trainer.max_steps (now "
+                f"{total_steps}); set trainer.max_steps, or optim.decay=none"
+            )
+        progress = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps)))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1 - progress
+        return factor * (self.min_lr_ratio + (1 - self.min_lr_ratio) * shape)
+
     def build(
-        self, params: list[nn.Parameter], *, global_batch_size: int
+        self, params: list[nn.Parameter], *, global_batch_size: int, total_steps: int | None = None
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        """AdamW (fused on CUDA) at the scaled LR, and a LambdaLR to step once per optimizer step."""
+        """AdamW (fused on CUDA) at the scaled LR, and a LambdaLR to step once per optimizer step (`total_steps`:
+        the run's length, for a decay)."""
         fused = all(p.is_cuda for p in params) or None
         optimizer = torch.optim.AdamW(
             params,
@@ -58,4 +89,5 @@ class AdamW:
             eps=self.eps,
             fused=fused,
         )
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.warmup_factor)
+        self.lr_factor(0, total_steps)  # a decay without a known length fails here, naming the keys
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_factor(step, total_steps))
