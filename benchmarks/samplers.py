@@ -6,8 +6,10 @@
     python benchmarks/samplers.py --ckpt ... --configs ddim50,dpm++10 --guidance 0,3    # a subset
 
 Resumable: every row is written to --out (and its classifier features to --features-dir) as soon as it finishes;
-the same command run again skips the rows already there (same checkpoint, samples, seed, batch and precision),
-so the table can be built across sessions. Rows run cheapest first (NFE x guided batch).
+the same command run again skips the rows already there (same checkpoint, samples, seed, batch, precision and
+commit), so the table can be built across sessions. Rows run cheapest first (NFE x guided batch). The JSON carries
+benchmarks/common.py's provenance (a dirty tree is refused unless --allow-dirty). --smoke: 8 samples of two cheap
+configurations, a quick classifier, nothing written but --out (and --docs if given).
 
 For every configuration the same N images are drawn (labels 0..9 in turn, same seeds): the FID is the
 "classifier FID" (`cfid@N`: the classifier's penultimate features, against the statistics of every MNIST
@@ -27,14 +29,14 @@ Prints a table, writes JSON under benchmarks/results/ and a section of docs/benc
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import common
 import torch
-from report import machine  # benchmarks/report.py
 
-from ddpm.data.sources import MNISTSource
-from ddpm.diffusion.generate import class_cycle, generate
+from ddpm.diffusion.generate import class_cycle, compile_network, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
@@ -42,12 +44,13 @@ from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
 from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
 from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, draws, paired_ratio, resample_weights
+from ddpm.metrics.classifier import classifier_file
 from ddpm.metrics.features import FeatureExtractor, classifier_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, count_tag, kernel_distance, reference_stats
 from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 from ddpm.weights import load_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = common.REPO
 CONFIGS = {  # name -> (sampler class, constructor arguments)
     "ddpm1000": (DDPMSampler, {"steps": None}),
     "ddpm250": (DDPMSampler, {"steps": 250}),
@@ -63,19 +66,18 @@ CONFIGS = {  # name -> (sampler class, constructor arguments)
     "restart": (RestartSampler, {"steps": 9, "restarts": 2, "restart_steps": 2, "t_min": 0.06, "t_max": 0.30}),
 }
 BEGIN, END = "<!-- benchmarks/samplers.py: begin -->", "<!-- benchmarks/samplers.py: end -->"
+SMOKE = {"num_samples": 8, "resamples": 20, "epochs": 1, "configs": "ddim20,dpm++10", "compile_backend": "eager"}
 
 
-def get_classifier(args: argparse.Namespace) -> FeatureExtractor:
-    """The classifier file given, or one trained here on --data-root (mnist_quality.py's recipe)."""
-    from mnist_quality import classifier_file  # the sibling script (benchmarks/ is this script's folder)
-
-    path = args.classifier or classifier_file(args.save_classifier, data_root=args.data_root, epochs=args.epochs)
-    return classifier_extractor(path)
-
-
-def synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def get_classifier(args: argparse.Namespace, source, tmp: Path) -> FeatureExtractor:
+    """The classifier file given, or one trained here on --data-root (ddpm.metrics.classifier; under --smoke a
+    quick one in a temp folder, never where a real run looks)."""
+    if args.classifier:
+        return classifier_extractor(args.classifier)
+    path = tmp / "classifier.pt" if args.smoke and not args.save_classifier.is_file() else args.save_classifier
+    return classifier_extractor(
+        classifier_file(path, source=source, epochs=args.epochs, limit=1000 if args.smoke else None)
+    )
 
 
 def nfe_cost(name: str, guidance: float) -> int:
@@ -91,7 +93,7 @@ def measure(net, loaded, sampler, guidance: float, args: argparse.Namespace, dev
     """Draw the N images with one configuration; time it; return speed and the generated batch."""
     diffusion = loaded.diffusion
     labels = class_cycle(args.num_samples, net.num_classes) if net.num_classes is not None else None
-    synchronise(device)
+    common.sync(device)
     began = time.perf_counter()
     out = generate(
         net=net,
@@ -108,8 +110,9 @@ def measure(net, loaded, sampler, guidance: float, args: argparse.Namespace, dev
         device=device,
         precision=args.precision,
         compile=args.compile,
+        compile_backend=args.compile_backend,
     )
-    synchronise(device)
+    common.sync(device)
     return {"out": out, "seconds": time.perf_counter() - began}
 
 
@@ -138,11 +141,11 @@ def fastest_within_noise(rows: list[dict]) -> tuple[str | None, dict[float, list
 
 def markdown(rows: list[dict], meta: dict) -> str:
     tag = count_tag(meta["num_samples"])
-    m = meta["machine"]
+    m = meta["provenance"]
     lines = [
         f"### Samplers on MNIST ({meta['num_samples']} samples, {m['cpu'] if m['gpu'] is None else m['gpu']}, "
-        f"{m['cpu_capability']} ({' '.join(m['cpu_flags'])}), {m['threads']} threads, torch {m['torch']}, "
-        f"commit {m['commit'][:7]})",
+        f"{m['cpu_capability']} ({' '.join(k for k, v in m['cpu_flags'].items() if v)}), {m['threads']} threads, "
+        f"torch {m['torch']}, commit {(m['commit'] or 'none')[:7]}{' (dirty)' if m['dirty'] else ''})",
         "",
         f"| sampler | NFE | guidance | cfid@{tag} [95%] | vs DDPM-1000 [95%] | ckid@{tag} x1e3 [95%] | accuracy [95%] "
         "| images/s |",
@@ -183,54 +186,52 @@ def write_docs(path: Path, table: str) -> None:
     path.write_text(text)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", type=Path, required=True, help="the run's ema.pt (or a .ckpt)")
-    parser.add_argument("--classifier", type=Path, help="TorchScript classifier (mnist_quality.py --save-classifier)")
-    parser.add_argument("--save-classifier", type=Path, default=REPO / "benchmarks/results/mnist_classifier.pt",
-                        help="where a classifier trained here is kept")  # fmt: skip
-    parser.add_argument("--epochs", type=int, default=4, help="classifier training epochs (without --classifier)")
-    parser.add_argument("--data-root", default=str(REPO.parent / "shared/data/mnist"), help="MNIST IDX folder")
-    parser.add_argument("--num-samples", type=int, default=1000)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
-    parser.add_argument("--guidance", default="0,1,3", help="comma-separated guidance weights")
-    parser.add_argument("--batch-size", default="auto", help="images per batch; auto: sample.py's batch_size=auto")
-    parser.add_argument("--precision", default="auto", help="auto, 32 or bf16 (the network calls)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the network (compiled once)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples per interval")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda ...")
-    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/samplers.json")
-    parser.add_argument("--features-dir", type=Path, default=REPO / "outputs/samplers_features",
-                        help="each row's classifier features (for paired intervals when resuming)")  # fmt: skip
-    parser.add_argument("--fresh", action="store_true", help="ignore the rows already in --out")
-    parser.add_argument("--docs", type=Path, default=REPO / "docs/benchmarks.md", help="Markdown file to update")
-    args = parser.parse_args()
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
-    if args.batch_size != "auto" and not args.batch_size.isdigit():
-        parser.error(f"--batch-size {args.batch_size}: a positive integer or auto")
-    return args
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", type=Path, required=True, help="the run's ema.pt (or a .ckpt)")
+    p.add_argument("--classifier", type=Path, help="TorchScript classifier (mnist_quality.py --save-classifier)")
+    p.add_argument(
+        "--save-classifier",
+        type=Path,
+        default=common.RESULTS / "mnist_classifier.pt",
+        help="where a classifier trained here is kept",
+    )
+    p.add_argument("--epochs", type=int, default=4, help="classifier training epochs (without --classifier)")
+    p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX folder")
+    p.add_argument("--num-samples", type=int, default=1000)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    p.add_argument("--guidance", default="0,1,3", help="comma-separated guidance weights")
+    p.add_argument("--batch-size", default="auto", help="images per batch; auto: sample.py's batch_size=auto")
+    p.add_argument("--precision", default="auto", help="auto, 32 or bf16 (the network calls)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the network (compiled once)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples per interval")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
+    p.add_argument(
+        "--features-dir",
+        type=Path,
+        default=None,
+        help="each row's classifier features, for paired intervals when resuming (default "
+        "outputs/samplers_features; --smoke: a temp folder)",
+    )
+    p.add_argument("--fresh", action="store_true", help="ignore the rows already in --out")
+    p.add_argument(
+        "--docs", type=Path, default=None, help="Markdown file to update (default docs/benchmarks.md; --smoke: none)"
+    )
+    common.add_arguments(p, repeats=None)
+    return p
 
 
-def resumable(args: argparse.Namespace, key: dict) -> list[dict]:
+def resumable(out: Path | None, args: argparse.Namespace, key: dict) -> list[dict]:
     """The rows of an earlier run with the same key (their features still on disk), else none."""
-    if args.fresh or not args.out.is_file():
+    if out is None or args.fresh or not out.is_file():
         return []
-    earlier = json.loads(args.out.read_text())
+    earlier = json.loads(out.read_text())
     if earlier.get("key") != key:
-        print(f"{args.out} holds another run ({earlier.get('key')}); starting afresh (its rows are replaced)")
+        print(f"{out} holds another run ({earlier.get('key')}); starting afresh (its rows are replaced)")
         return []
     return [r for r in earlier["rows"] if (args.features_dir / r["features"]).is_file()]
-
-
-def save(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    tmp.replace(args.out)
 
 
 def with_intervals(rows: list[dict], stats: dict, args: argparse.Namespace) -> list[dict]:
@@ -253,69 +254,42 @@ def order(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["guidance"], names.index(r["config"])))
 
 
-def main() -> None:
-    args = parse_args()
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
-    loaded = load_model(args.ckpt, device)
-    net = loaded.net
-    guided_any = net.num_classes is not None
-    args.precision = resolve_sampling_precision(args.precision, device)
-    extractor = get_classifier(args).to(device)
-    reference = reference_stats(MNISTSource(root=args.data_root), image_size=net.image_size,
-                                channels=net.in_channels, extractor=extractor, cache_dir=args.cache_dir)  # fmt: skip
-    guidances = [float(g) for g in args.guidance.split(",")] if guided_any else [0.0]
-    key = {
-        "ckpt": str(args.ckpt.resolve()),
-        "ckpt_bytes": args.ckpt.stat().st_size,
-        "num_samples": args.num_samples,
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "precision": args.precision,
-        "classifier": extractor.name,
-    }
-    meta = {"key": key, **key, "compile": args.compile, "resamples": args.resamples, "machine": machine(device),
-            "reference": f"{reference.num} MNIST images in {args.data_root}", "features": extractor.name,
-            "command": "python " + " ".join(sys.argv)}  # fmt: skip
-    rows = resumable(args, key)
-    done = {(r["config"], r["guidance"]) for r in rows}
-    todo = sorted(((n, g) for n in args.configs.split(",") for g in guidances if (n, g) not in done),
-                  key=lambda c: nfe_cost(*c))  # fmt: skip
-    print(f"{len(done)} rows resumed from {args.out}; {len(todo)} to run: {todo}", flush=True)
-    args.features_dir.mkdir(parents=True, exist_ok=True)
-    network = net
-    if todo:
-        if args.compile:
-            from ddpm.diffusion.generate import compile_network
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    run = common.start(__file__, p, argv, smoke=SMOKE)
+    args = run.args
+    try:
+        configs = common.parse_rows(args.configs, CONFIGS, flag="--configs")
+    except ValueError as error:
+        p.error(str(error))
+    if args.batch_size != "auto" and not args.batch_size.isdigit():
+        p.error(f"--batch-size {args.batch_size}: a positive integer or auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.features_dir is None:
+            args.features_dir = Path(tmp) if args.smoke else REPO / "outputs/samplers_features"
+        if args.docs is None and not args.smoke:
+            args.docs = REPO / "docs/benchmarks.md"
+        build_table(run, args, configs, Path(tmp))
 
-            network = compile_network(net)  # once: every row reuses it (one graph per batch shape)
-        warm = DDIMSampler(steps=2)  # first-call costs (allocations, compilation) stay out of the timings
-        for guidance in {g for _, g in todo}:
-            first = argparse.Namespace(**{**vars(args), "num_samples": batch_for(args, guidance, device)})
-            measure(network, loaded, warm, guidance, first, device)
-    for name, guidance in todo:
-        cls, kwargs = CONFIGS[name]
-        run = measure(network, loaded, cls(**kwargs), guidance, args, device)
-        out = run["out"]
-        features, logits = extractor(out.images)
-        file = f"{name}_w{guidance:g}.pt"
-        torch.save({"features": features.cpu(), "logits": None if logits is None else logits.cpu(),
-                    "labels": out.labels}, args.features_dir / file)  # fmt: skip
-        rows.append(
-            {
-                "config": name,
-                "sampler": cls.__name__,
-                **kwargs,
-                "nfe": out.nfe,
-                "guidance": guidance,
-                "images_per_s": len(out.images) / run["seconds"],
-                "seconds": run["seconds"],
-                "features": file,
-            }
-        )
-        save(args, meta, rows)
-        print(f"{name:10}{out.nfe:>6}{guidance:>5g}  {rows[-1]['images_per_s']:.2f} images/s "
-              f"({run['seconds']:.0f} s) -> {args.out}", flush=True)  # fmt: skip
+
+def build_table(run: common.Run, args: argparse.Namespace, configs: list[str], tmp: Path) -> None:
+    """Measure the rows not yet in --out (the JSON written after each), then the intervals, the JSON and Markdown."""
+    loaded = load_model(args.ckpt, run.device)
+    net = loaded.net
+    args.precision = resolve_sampling_precision(args.precision, run.device)
+    source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+    extractor = get_classifier(args, source, tmp).to(run.device)
+    reference = reference_stats(source, image_size=net.image_size, channels=net.in_channels, extractor=extractor,
+                                cache_dir=args.cache_dir)  # fmt: skip
+    key = {"ckpt": str(args.ckpt.resolve()), "ckpt_bytes": args.ckpt.stat().st_size, "num_samples": args.num_samples,
+           "seed": args.seed, "batch_size": args.batch_size, "precision": args.precision,
+           "classifier": extractor.name, "commit": run.git["commit"]}  # fmt: skip
+    meta = {"key": key, **key, "compile": args.compile, "resamples": args.resamples, "provenance": run.provenance(),
+            "reference": f"{reference.num} images of {data_name}", "features": extractor.name,
+            "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    out = Path(args.out) if args.out else (None if args.smoke else common.RESULTS / "samplers.json")
+    rows = resumable(out, args, key)
+    measure_rows(run, rows, loaded, extractor, configs, meta)
     stats, terms = {}, Reference.of(reference)  # the reference's terms, computed once for every row
     for r in rows:
         saved = torch.load(args.features_dir / r["features"], weights_only=True)
@@ -323,13 +297,41 @@ def main() -> None:
                                                             labels=saved["labels"])  # fmt: skip
     final = order(with_intervals(rows, stats, args))
     for r in final:
-        tag = count_tag(args.num_samples)
-        r[f"ckid_subsets@{tag}"] = kernel_distance(reference, stats[(r["config"], r["guidance"])].f)[0]
-    save(args, meta, final)
-    table = markdown(final, meta)
-    print(table)
-    write_docs(args.docs, table)
-    print(f"-> {args.out}, {args.docs}")
+        features = stats[(r["config"], r["guidance"])].f
+        r[f"ckid_subsets@{count_tag(args.num_samples)}"] = kernel_distance(reference, features)[0]
+    run.write({**meta, "rows": final}, "samplers.json")
+    text = markdown(final, meta)
+    print(text)
+    if args.docs is not None:
+        write_docs(args.docs, text)
+        print(f"-> {args.docs}")
+
+
+def measure_rows(run: common.Run, rows: list[dict], loaded, extractor, configs: list[str], meta: dict) -> None:
+    """Draw and score every (configuration, guidance) not in `rows` yet, cheapest first; append and save each."""
+    args, device, net = run.args, run.device, loaded.net
+    guidances = [float(g) for g in args.guidance.split(",")] if net.num_classes is not None else [0.0]
+    done = {(r["config"], r["guidance"]) for r in rows}
+    todo = sorted(((n, g) for n in configs for g in guidances if (n, g) not in done), key=lambda c: nfe_cost(*c))
+    print(f"{len(done)} rows resumed; {len(todo)} to run: {todo}", flush=True)
+    args.features_dir.mkdir(parents=True, exist_ok=True)
+    network = compile_network(net, args.compile_backend) if args.compile and todo else net  # once, for every row
+    for guidance in {g for _, g in todo}:  # first-call costs (allocations, compilation) stay out of the timings
+        first = argparse.Namespace(**{**vars(args), "num_samples": batch_for(args, guidance, device)})
+        measure(network, loaded, DDIMSampler(steps=2), guidance, first, device)
+    for name, guidance in todo:
+        cls, kwargs = CONFIGS[name]
+        measured = measure(network, loaded, cls(**kwargs), guidance, args, device)
+        generated, seconds = measured["out"], measured["seconds"]
+        features, logits = extractor(generated.images)
+        file = f"{name}_w{guidance:g}.pt"
+        torch.save({"features": features.cpu(), "logits": None if logits is None else logits.cpu(),
+                    "labels": generated.labels}, args.features_dir / file)  # fmt: skip
+        rows.append({"config": name, "sampler": cls.__name__, **kwargs, "nfe": generated.nfe, "guidance": guidance,
+                     "images_per_s": len(generated.images) / seconds, "seconds": seconds,
+                     "features": file})  # fmt: skip
+        run.write({**meta, "rows": rows}, "samplers.json")
+        print(f"{name:10}{generated.nfe:>6}{guidance:>5g}  {rows[-1]['images_per_s']:.2f} images/s ({seconds:.0f} s)")
 
 
 if __name__ == "__main__":

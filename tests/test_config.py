@@ -36,6 +36,7 @@ from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
 from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
+from ddpm.models.diffusers_unet import DiffusersUNet2D
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule, check_batch
 from ddpm.optim import AdamW
@@ -95,7 +96,7 @@ def check_model(cfg: DictConfig, name: str, tmp_path: Path, built: UNet | None =
     # The default experiment (digits) must not rewrite the chosen preset (e.g. unet_mnist stays conditional).
     assert OmegaConf.to_container(cfg.model, resolve=True) == disk("model", name)
     net = instantiate(cfg.model) if built is None else built
-    assert isinstance(net, UNet)
+    assert isinstance(net, UNet | DiffusersUNet2D)
     assert (net.in_channels, net.image_size, net.num_classes) == (
         cfg.model.in_channels,
         cfg.model.image_size,

@@ -1,7 +1,9 @@
-"""Interoperability: the diffusers export (python -m ddpm.export) and ema.safetensors, checked against diffusers.
+"""Interoperability: the adapter diffusers folder, the export command and ema.safetensors, checked against diffusers.
 
-The exported folder is loaded by diffusers' own from_pretrained and sampled by its own pipelines and schedulers;
-from the same initial noise (the same torch.Generator seed as our generate()) the images equal ours:
+python -m ddpm.export writes diffusers' own UNet2DModel where it can (tests/test_diffusers_native.py) and falls back
+to the adapter folder (our UNet in a diffusers ModelMixin) where it cannot; here the adapter folder
+(export_diffusers(adapter=True)) is loaded by diffusers' own from_pretrained and sampled by its own pipelines and
+schedulers; from the same initial noise (the same torch.Generator seed as our generate()) the images equal ours:
 
 - DDIMPipeline (S=10 dividing T=1000, eta=0, use_clipped_model_output=True, trailing) and a hand-written
   DDIMScheduler loop against our sampler=ddim; DDPMPipeline on all T=50 timesteps against our sampler=ddpm
@@ -93,7 +95,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     for name, options in kinds.items():
         (root / name).mkdir()
         ema, _ = write_run(root / name, **options)
-        folders[name] = export_diffusers(load_model(ema), root / name / "export")
+        folders[name] = export_diffusers(load_model(ema), root / name / "export", adapter=True)
     return folders
 
 
@@ -392,17 +394,22 @@ def test_bad_safetensors_raise_checkpoint_error_naming_the_file(tmp_path, kind, 
 
 @pytest.mark.slow
 def test_train_export_and_diffusers_pipeline(tmp_path):
-    """train.py (class-conditional) -> python -m ddpm.export -> DDPMPipeline.from_pretrained draws images."""
+    """train.py (class-conditional) -> python -m ddpm.export (a UNet2DModel folder) -> diffusers draws images."""
     run_dir = tmp_path / "run"
     train(*TINY_RUN, "model.num_classes=10", "diffusion.p_uncond=0.1", f"hydra.run.dir={run_dir}")
     out = tmp_path / "export"
     result = run("python", "-m", "ddpm.export", f"ckpt={run_dir / 'ema.pt'}", f"out={out}")
-    assert str(out) in result.stdout
+    assert str(out) in result.stdout and "UNet2DModel" in result.stdout
     pipe = quiet(diffusers.DDPMPipeline.from_pretrained(out))
-    assert pipe.unet.config.num_classes == 10 and pipe.unet.config.sample_size == 16
-    images = pipe(batch_size=2, num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="np")
-    assert images.images.shape == (2, 16, 16, 1) and np.isfinite(images.images).all()
-    loaded, original = load_export(out), load_model(run_dir / "ema.pt")
+    assert type(pipe.unet) is diffusers.UNet2DModel
+    assert pipe.unet.config.num_class_embeds == 11 and pipe.unet.config.sample_size == 16
+    pipe.scheduler.set_timesteps(4)
+    x = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for t in pipe.scheduler.timesteps:
+            x = pipe.scheduler.step(pipe.unet(x, t, class_labels=torch.tensor([3, 10])).sample, t, x).prev_sample
+    assert np.isfinite(x.numpy()).all()
+    loaded, original = load_model(out), load_model(run_dir / "ema.pt")
     assert all(torch.equal(loaded.net.state_dict()[k], v) for k, v in original.net.state_dict().items())
     state, config = load_ema_safetensors(run_dir / "ema.safetensors")  # train.py writes it beside ema.pt
     assert config == original.config and all(torch.equal(state[k], v) for k, v in original.net.state_dict().items())

@@ -1,24 +1,30 @@
-"""Export a run's EMA model as a diffusers pipeline folder that diffusers loads with its own API.
+"""Export a run's EMA model as a diffusers pipeline folder that diffusers alone loads and samples.
 
     python -m ddpm.export ckpt=outputs/<date>/<time>/ema.pt out=exports/digits
 
-ckpt is anything sample.py takes (`ema.pt`, a `.ckpt`, `ema.safetensors`). The folder (written by diffusers'
-own `DDPMPipeline.save_pretrained`, plus our run config) holds:
+ckpt is anything sample.py takes (`ema.pt`, a `.ckpt`, `ema.safetensors`). Needs diffusers
+(pip install -e '.[diffusers]'). The folder (written by diffusers' own `DDPMPipeline.save_pretrained`, plus our
+run config) holds:
 
-    model_index.json                       DDPMPipeline; unet = ["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]
-    unet/config.json                       our UNet's constructor arguments (+ sample_size = image_size)
-    unet/diffusion_pytorch_model.safetensors   the EMA weights (float32, keys "net.<UNet key>")
+    model_index.json                       DDPMPipeline; unet = ["diffusers", "UNet2DModel"]
+    unet/config.json                       UNet2DModel's config: our UNet's layout (ddpm.models.diffusers_unet)
+    unet/diffusion_pytorch_model.safetensors   the EMA weights (float32), mapped tensor by tensor onto UNet2DModel
     scheduler/scheduler_config.json        DDPMScheduler with exactly our schedule (below)
     ddpm_config.json                       the resolved run config (diffusers ignores it; our loader reads it)
 
-Loading it in diffusers (diffusers 0.42 imports no module a model_index.json names; import ours first):
+The unet is diffusers' own UNet2DModel, so the folder needs no lightning-ddpm (no `import ddpm`):
 
-    import ddpm.weights.diffusers_adapter  # noqa: F401  (puts DDPMUNet2DModel where from_pretrained looks)
     from diffusers import DDIMPipeline, DDPMPipeline
     images = DDPMPipeline.from_pretrained("exports/digits")(batch_size=16, output_type="np").images
     images = DDIMPipeline.from_pretrained("exports/digits")(
         batch_size=16, num_inference_steps=50, eta=0.0, use_clipped_model_output=True, output_type="np"
     ).images
+
+A model UNet2DModel cannot express (a level that does not halve, `model.downsample`; num_heads > 1 at attention
+layers of different widths, as unet64 and seed_mnist; channel_mult[0] != 1) is written as before, with the unet
+`["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]` (our UNet in a diffusers ModelMixin; its config our UNet's
+arguments): the command prints that it fell back and why, and loading that folder needs
+`import ddpm.weights.diffusers_adapter` first (diffusers 0.42 imports no module a model_index.json names).
 
 The scheduler is our schedule exactly: `trained_betas` are our float64 betas (beta_start/end/schedule are
 written for the reader only: trained_betas takes precedence), num_train_timesteps = T, prediction_type
@@ -34,22 +40,23 @@ and steps_offset=0 (sampler=ddim's default spacing). What each pipeline then equ
   re-derives eps from the clipped x0; the pipeline's default does not). For S not dividing T, DDIMScheduler
   steps to t - T // S rather than the next listed timestep (diffusers issue #12633): pass an S dividing T.
 - diffusers keeps alpha_bar in float32 (ours float64), so images agree to within a uint8 level or so, not bit
-  for bit (tests/test_export.py measures it).
+  for bit (tests/test_diffusers_native.py measures it).
 
-Class-conditional models: DDPMPipeline / DDIMPipeline pass no class labels, so they call the UNet with
-class_labels=None, the null class: unconditional samples. Classifier-free guidance (Ho & Salimans 2022),
-eps = (1 + w) eps(x, y) - w eps(x, null) with null = num_classes, is a short loop by hand (this is
-`python sample.py ckpt=... sampler=ddim sampler.steps=50 guidance=3 labels=[0,1,2,3]`, up to the noise):
+Class-conditional models: UNet2DModel's class embedding has num_classes + 1 rows, the last (label num_classes)
+our null class. DDPMPipeline / DDIMPipeline pass no class labels, and a class-conditional UNet2DModel refuses to
+run without them (the adapter folder took None as the null class), so sample those with the loop below.
+Classifier-free guidance (Ho & Salimans 2022), eps = (1 + w) eps(x, y) - w eps(x, null), null = num_classes, is
+`python sample.py ckpt=... sampler=ddim sampler.steps=50 guidance=3 labels=[0,1,2,3]` up to the noise; w = 0 draws
+class y unguided, and y = null unconditional samples:
 
     import torch
-    import ddpm.weights.diffusers_adapter  # noqa: F401
-    from diffusers import DDIMScheduler, DDPMPipeline
+    from diffusers import DDIMScheduler, UNet2DModel
 
-    pipe = DDPMPipeline.from_pretrained("exports/digits")
-    unet, scheduler = pipe.unet.eval(), DDIMScheduler.from_config(pipe.scheduler.config)
+    unet = UNet2DModel.from_pretrained("exports/digits", subfolder="unet").eval()
+    scheduler = DDIMScheduler.from_pretrained("exports/digits", subfolder="scheduler")
     scheduler.set_timesteps(50)  # S dividing T
     w, y = 3.0, torch.tensor([0, 1, 2, 3])
-    null = torch.full_like(y, unet.config.num_classes)
+    null = torch.full_like(y, unet.config.num_class_embeds - 1)
     size = unet.config.sample_size
     x = torch.randn(len(y), unet.config.in_channels, size, size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -59,15 +66,17 @@ eps = (1 + w) eps(x, y) - w eps(x, null) with null = num_classes, is a short loo
             x = scheduler.step(out, t, x, eta=0.0, use_clipped_model_output=True).prev_sample
     images = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (B, C, H, W)
 
-`ddpm.weights.load_model(folder)` reads such a folder back without diffusers (JSON and safetensors only), so
-sample.py can take ckpt=<folder>.
+`ddpm.weights.load_model(folder)` reads such a folder back without diffusers (JSON and safetensors only), and so
+does it a folder diffusers itself saved (a UNet2DModel of our UNet's family, a DDPMScheduler or DDIMScheduler of
+our linear or cosine schedule), so sample.py can take ckpt=<folder>.
 """
 
 import argparse
 from pathlib import Path
 
+from ddpm.models.diffusers_unet import DIFFUSERS_EXTRA
 from ddpm.weights import CheckpointError, load_model
-from ddpm.weights.diffusers_folder import export_diffusers
+from ddpm.weights.diffusers_folder import export_diffusers, fallback_reason
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -86,13 +95,22 @@ def main(argv: list[str] | None = None) -> Path:
     if missing:
         parser.error(f"missing {' and '.join(f'{k}=...' for k in missing)}")
     try:
-        out = export_diffusers(load_model(settings["ckpt"]), settings["out"])
+        import diffusers  # noqa: F401
+    except ImportError:
+        parser.exit(1, f"python -m ddpm.export needs diffusers, which is not installed: {DIFFUSERS_EXTRA}\n")
+    try:
+        loaded = load_model(settings["ckpt"])
+        reason = fallback_reason(dict(loaded.config["model"]))
+        out = export_diffusers(loaded, settings["out"])
     except (CheckpointError, FileExistsError, ValueError) as error:
         parser.exit(1, f"python -m ddpm.export: {error}\n")
-    print(
-        f"diffusers pipeline: {out} (import ddpm.weights.diffusers_adapter, "
-        f"then DDPMPipeline.from_pretrained({str(out)!r}))"
-    )
+    if reason is None:
+        print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)")
+    else:
+        print(
+            f"diffusers pipeline: {out}, with lightning-ddpm's adapter UNet: diffusers' UNet2DModel cannot hold this "
+            f"model ({reason}); import ddpm.weights.diffusers_adapter, then DDPMPipeline.from_pretrained({str(out)!r})"
+        )
     return out
 
 

@@ -7,11 +7,16 @@ Imports flow one way, leaves first (no module imports a later one):
     torch_file.py        Lightning `.ckpt` and the small `ema.pt` (torch.load(weights_only=True))
     safetensors_file.py  `ema.safetensors`: weights + the run config in the header, never unpickled
     diffusers_adapter.py our UNet as a diffusers ModelMixin (needs diffusers)
-    diffusers_folder.py  the `python -m ddpm.export` folder: write (needs diffusers) and read (does not)
-    loader.py            load_model(path): dispatch by format to the three readers above
+    diffusers_files.py   what diffusers folders share: file names, reading, our schedule as a scheduler config
+    unet2d_mapping.py    our UNet's tensors <-> diffusers' UNet2DModel's; a UNet2DModel config -> our arguments
+    diffusers_native.py  the folder whose unet is diffusers' own UNet2DModel: write (needs diffusers), read (not)
+    diffusers_folder.py  `python -m ddpm.export`'s entry (native, or the adapter folder) and reading the adapter
+    loader.py            load_model(path): dispatch by format (a folder by its unet) to the readers above
+    init.py              load_init(path, net, model_config): weights only, into a new network (fine-tuning)
     lightning_io.py      AtomicCheckpointIO, the Trainer plugin that writes and reads `.ckpt` through them
 
-`load_model(path)` is what sample.py, export and evaluation call; resume reads `.ckpt` through torch_file.
+`load_model(path)` is what sample.py, export and evaluation call; resume reads `.ckpt` through torch_file;
+`load_init` is train.py's init_from.
 """
 
 from ddpm.weights.loader import load_model

@@ -1,7 +1,8 @@
 """Our UNet as a diffusers model: `DDPMUNet2DModel`, a ModelMixin/ConfigMixin around ddpm.models.unet.UNet.
 
-It is what `python -m ddpm.export` puts in a pipeline folder's `unet/` (model_index.json names it
-`["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]`). Its config is our UNet's constructor arguments (plus
+It is what `python -m ddpm.export` puts in a pipeline folder's `unet/` for the models diffusers' own UNet2DModel
+cannot express (model_index.json names it `["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]`; every other
+model is exported as a native UNet2DModel, diffusers_native.py). Its config is our UNet's constructor arguments (plus
 `sample_size`, which diffusers' pipelines read, always equal to `image_size`); its weights are the UNet's,
 under the prefix `net.`. It is called as diffusers' UNet2DModel is:
 

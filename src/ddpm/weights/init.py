@@ -1,0 +1,61 @@
+"""load_init(path, net, model_config): start a run from another run's weights (fine-tuning, `init_from`).
+
+Weights only: the optimizer, the step count and the EMA start afresh (the EMA from these weights). `path` is
+anything load_model reads (a .ckpt or ema.pt: the EMA weights; ema.safetensors; a python -m ddpm.export folder;
+a diffusers-made UNet2DModel folder). The file's model must be the run's: every model key that shapes the
+weights, defaults filled in, must agree (dropout and checkpoint_activations may differ). Our UNet and
+model=diffusers_unet2d with the same arguments are the same network under other names: weights go across
+through UNet2DModel's names (unet2d_mapping.py).
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from ddpm.models.diffusers_unet import UNET_DEFAULTS
+from ddpm.weights.diffusers_native import UNET_TARGET, WRAPPER_TARGET, network_state, unet2d_state
+from ddpm.weights.loader import load_model
+from ddpm.weights.model import CheckpointError
+
+FREE_KEYS = ("_target_", "dropout", "checkpoint_activations")  # model keys that change no weight
+
+
+def architecture(model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The model keys that shape the weights, with our UNet's defaults filled in (sequences as lists;
+    downsample all true is null)."""
+    arguments = {**UNET_DEFAULTS, **model_config}
+    arguments = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in arguments.items()}
+    if arguments.get("downsample") is not None and all(arguments["downsample"]):
+        arguments["downsample"] = None
+    return {k: v for k, v in arguments.items() if k not in FREE_KEYS}
+
+
+def load_init(path: str | os.PathLike, net: nn.Module, model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy the (EMA) weights of `path` into `net`, built from the run's `model_config`; returns the file's run
+    config. CheckpointError naming every model.* key that differs, or a file that load_model refuses."""
+    loaded = load_model(path)
+    source = dict(loaded.config["model"])
+    ours, theirs = architecture(model_config), architecture(source)
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        listed = ", ".join(f"model.{k} (file {theirs.get(k)!r}, run {ours.get(k)!r})" for k in differ)
+        raise CheckpointError(
+            f"init_from={path}: its model differs from this run's in {listed}; set those model keys to the file's "
+            "values (or init from a run of this architecture)"
+        )
+    state = loaded.net.state_dict()
+    targets = {source.get("_target_"), model_config.get("_target_")}
+    if len(targets) > 1:
+        if not targets <= {UNET_TARGET, WRAPPER_TARGET}:
+            raise CheckpointError(f"init_from={path}: cannot carry weights from {source.get('_target_')} to "
+                                  f"{model_config.get('_target_')}; use the same model._target_")  # fmt: skip
+        state = network_state(unet2d_state(loaded.net, source), model_config)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"init_from={path}: the weights do not fit this run's model ({str(error)[:600]})"
+        ) from error
+    return loaded.config
