@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import CONF, PYTHON, env, run
+from helpers import CONF, PYTHON, env, run, sample, train
 
 from ddpm.diffusion.generate import batch_seed, generate, to_uint8
 from ddpm.diffusion.samplers.ddim import DDIMSampler
@@ -559,3 +559,28 @@ def test_train_resume_export_and_sample_with_the_diffusers_backbone(tmp_path):
         sample(f"ckpt={ckpt}", "num_samples=4", "sampler.steps=4", "guidance=2", f"output_dir={tmp_path / name}")
         drawn[name] = np.load(tmp_path / name / "samples.npz")["images"]
     np.testing.assert_array_equal(drawn["folder"], drawn["pt"])
+
+
+@pytest.mark.slow
+def test_train_py_fine_tunes_from_and_sample_py_samples_a_diffusers_made_folder(tmp_path):
+    """`python train.py init_from=<diffusers folder>` starts from its weights (a fresh optimizer: one step at a tiny LR
+    leaves them as they were), a run whose model differs is refused naming the key, and `python sample.py
+    ckpt=<diffusers folder>` draws images from it."""
+    folder = diffusers_folder(tmp_path / "hub10", num_class_embeds=11)  # digits: 10 classes + the null class
+    model = [
+        f"model.{k}={v}".replace(" ", "") for k, v in (OUR_EQUIVALENT | {"num_classes": 10}).items() if v is not None
+    ]
+    common = [*model, "diffusion.prediction=v", "data.limit=64", "data.batch_size=16", "trainer.max_steps=1",
+              "callbacks.sample_grid=null", "trainer.val_check_interval=1", "optim.lr=1e-12"]  # fmt: skip
+    run = tmp_path / "run"
+    result = train(*common, f"init_from={folder}", f"hydra.run.dir={run}")
+    assert f"init_from: the weights of {folder}" in result.stdout
+    trained = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for key, value in load_model(folder).net.state_dict().items():
+        torch.testing.assert_close(trained[f"net.{key}"], value, atol=1e-6, rtol=0)
+    refused = train(*common, "model.base_channels=8", f"init_from={folder}",
+                    f"hydra.run.dir={tmp_path / 'other'}", check=False)  # fmt: skip
+    assert refused.returncode != 0 and "model.base_channels (file 16, run 8)" in refused.stderr
+    drawn = sample(f"ckpt={folder}", "num_samples=4", "labels=[0,1,2]", "sampler=ddim", "sampler.steps=3",
+                   f"output_dir={tmp_path / 'samples'}")  # fmt: skip
+    assert drawn.returncode == 0 and (tmp_path / "samples" / "samples.npz").is_file()

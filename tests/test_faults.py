@@ -404,7 +404,7 @@ def test_resume_from_damaged_or_wrong_files_is_a_clear_error(tmp_path: Path) -> 
     torch.save({CHECKPOINT_KEY: {}, "config": config}, tmp_path / "ema.pt")
     with pytest.raises(CheckpointError, match=r"ema\.pt.*not a training checkpoint.*resume from .*last\.ckpt"):
         check_resume(tmp_path / "ema.pt", config, tmp_path)
-    with pytest.raises(CheckpointError, match=r"nope\.ckpt.*does not exist.*pass ckpt="):
+    with pytest.raises(CheckpointError, match=r"nope\.ckpt.*does not exist.*resume with ckpt_path="):
         check_resume(tmp_path / "nope.ckpt", config, tmp_path)
 
 

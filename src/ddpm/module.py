@@ -98,11 +98,47 @@ class DiffusionModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_train_start(self) -> None:
+        self._follow_lr_rule()
+        self._follow_data_position()
         for logger in self.loggers:
             logger.log_metrics({"optim/lr_scaled": self.scaled_lr, "optim/global_batch": self.global_batch_size()})
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:  # the run config, readable
                 text = yaml.safe_dump(self.hparams.get("config") or {}, sort_keys=False)
                 logger.experiment.add_text("config", f"```yaml\n{text}```", global_step=self.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # What a resume at another scale compares with (ddpm.resume.checkpoint_world).
+        checkpoint["world"] = {"world_size": self.trainer.world_size, "global_batch": self.global_batch_size(),
+                               "lr": self.scaled_lr}  # fmt: skip
+
+    def _follow_lr_rule(self) -> None:
+        """After a resume, the LR of this run's rule and global batch, not the checkpoint's: Lightning restores
+        the optimizer's and the schedule's base LR, scaled for the run that saved them (another world size, batch,
+        accumulation or optim.lr). The warm-up position (the schedule's step) carries on."""
+        schedule = self.lr_schedulers()
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        resumed = self.trainer.ckpt_path is not None and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
+        if not resumed or all(lr == self.scaled_lr for lr in schedule.base_lrs):
+            return  # a fresh run, or another schedule (the LR range test's)
+        old = schedule.base_lrs[0]
+        schedule.base_lrs = [self.scaled_lr] * len(optimizer.param_groups)
+        factor = self.optim.lr_factor(schedule.last_epoch, self.trainer.max_steps)
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["lr"] = self.scaled_lr, self.scaled_lr * factor
+        if self.trainer.is_global_zero:
+            rule = f"optim.lr={self.optim.lr:g}, optim.scaling={self.optim.scaling}"
+            rule = f"global batch {self.global_batch_size()}, {rule}"
+            print(f"LR after the resume: {self.scaled_lr:.6g} ({rule}); the checkpoint's was {old:.6g}")
+
+    def _follow_data_position(self) -> None:
+        """Lightning's batch count within the epoch follows the training loader's position after a resume at
+        another world size or batch size (data/sampler.py: the samples seen are skipped globally)."""
+        shift = getattr(self.trainer.train_dataloader, "resume_shift", 0)
+        if shift:
+            progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(progress, name, getattr(progress, name) + shift)
+            self.trainer.train_dataloader.resume_shift = 0
 
 
 def check_batch(batch: Batch, net: UNet) -> None:

@@ -1,10 +1,13 @@
 """Resuming a run: which checkpoint `ckpt_path` names, and whether resuming it with this config is safe.
 
-`ckpt_path` accepts a checkpoint file, a run directory (its `checkpoints/last.ckpt`), or `last`:
+`ckpt_path` accepts a checkpoint file, a run directory or its `checkpoints/` folder (its `last.ckpt`; a
+folder without one is an error listing the `step_*.ckpt` it holds), or `last`:
 `<resume_dir>/checkpoints/last.ckpt` when `resume_dir` is set, else the newest
 `outputs/*/*/checkpoints/last.ckpt` under the launch directory (by modification time, this run's
-own folder excluded). The resumed run writes into its own (new) run directory, with
-`resume_diff.yaml` recording where it came from and every config value that changed.
+own folder excluded). Every message about it gives a resume's advice (`ckpt_path=...`), never sample.py's.
+The resumed run writes into its own (new) run directory, or into the checkpoint's own run directory (a resume
+in place), with `resume_diff.yaml` recording where it came from, every config value that changed, and the
+world size, global batch and learning rate before and after (`world`).
 """
 
 from collections.abc import Mapping
@@ -21,6 +24,8 @@ BREAKING = ("model.", "diffusion.num_timesteps", "diffusion.schedule", "diffusio
             "data.channels")  # fmt: skip
 SAFE_MODEL_KEYS = ("model.dropout",)  # model keys that change no shape
 RUN_GLOB = "outputs/*/*/checkpoints/last.ckpt"  # where `ckpt_path=last` looks when resume_dir is null
+RESUME_FILE = "resume_diff.yaml"
+WORLD_KEY = "world"  # {world_size, global_batch, lr} of the run that saved a checkpoint (DiffusionModule)
 
 
 def resolve_ckpt_path(ckpt_path: str | None, *, resume_dir: str | None, output_dir: Path) -> Path | None:
@@ -29,7 +34,8 @@ def resolve_ckpt_path(ckpt_path: str | None, *, resume_dir: str | None, output_d
         return None
     if ckpt_path == "last":
         if resume_dir is not None:
-            return Path(resume_dir) / "checkpoints" / "last.ckpt"
+            folder = Path(resume_dir).expanduser()
+            return checkpoint_in(folder) if folder.is_dir() else folder / "checkpoints" / "last.ckpt"
         own = output_dir.resolve()
         found = [p for p in Path.cwd().glob(RUN_GLOB) if p.parents[1].resolve() != own]
         if not found:
@@ -39,7 +45,25 @@ def resolve_ckpt_path(ckpt_path: str | None, *, resume_dir: str | None, output_d
             )
         return max(found, key=lambda p: p.stat().st_mtime)
     path = Path(ckpt_path).expanduser()
-    return path / "checkpoints" / "last.ckpt" if path.is_dir() else path
+    return checkpoint_in(path) if path.is_dir() else path
+
+
+def checkpoint_in(folder: Path) -> Path:
+    """`last.ckpt` of a run folder (in its checkpoints/) or of a checkpoints/ folder itself."""
+    checkpoints = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    last = checkpoints / "last.ckpt"
+    if last.is_file():
+        return last
+    held = sorted(p.name for p in checkpoints.glob("*.ckpt"))
+    if held:
+        raise CheckpointError(
+            f"ckpt_path={folder} has no {last.name} in {checkpoints}; it holds {', '.join(held[-6:])}: resume with "
+            f"ckpt_path={checkpoints / held[-1]} (or another of them)"
+        )
+    raise CheckpointError(
+        f"ckpt_path={folder} holds no training checkpoint (*.ckpt) in {checkpoints}; resume with ckpt_path=<run dir> "
+        "(a folder with checkpoints/last.ckpt) or ckpt_path=<run dir>/checkpoints/step_*.ckpt"
+    )
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -65,15 +89,30 @@ def is_breaking(key: str) -> bool:
     return key.startswith(BREAKING) and key not in SAFE_MODEL_KEYS
 
 
-def check_resume(path: Path, config: Mapping[str, Any], output_dir: Path) -> dict[str, tuple[Any, Any]]:
-    """Load `path` safely, refuse config changes that break the run, record the others in resume_diff.yaml."""
-    checkpoint = load_checkpoint(path)  # missing, truncated, foreign or pickled-code files fail here, clearly
+def load_training_checkpoint(path: Path) -> dict[str, Any]:
+    """`path` loaded safely (weights only), refused unless it is a training checkpoint (an EMA export is not)."""
+    checkpoint = load_checkpoint(path, key="ckpt_path")  # missing, truncated, foreign or pickled-code files fail here
     for key in ("state_dict", "optimizer_states", "loops", "global_step"):
         if key not in checkpoint:
+            last = path.parent / "checkpoints" / "last.ckpt"
+            where = f"ckpt_path={last}" if last.is_file() else "ckpt_path=<run dir> (its checkpoints/last.ckpt)"
             raise CheckpointError(
                 f"{path} has no {key!r}: it is an EMA export or a weights-only file, not a training checkpoint; "
-                "resume from <run dir>/checkpoints/last.ckpt"
+                f"resume from a .ckpt written by train.py: {where}"
             )
+    return checkpoint
+
+
+def check_resume(
+    path: Path,
+    config: Mapping[str, Any],
+    output_dir: Path,
+    *,
+    checkpoint: Mapping[str, Any] | None = None,  # `path` already loaded (load_training_checkpoint)
+    write: bool = True,  # write resume_diff.yaml (rank 0 only under DDP)
+) -> dict[str, tuple[Any, Any]]:
+    """Load `path` safely, refuse config changes that break the run, record the others in resume_diff.yaml."""
+    checkpoint = load_training_checkpoint(path) if checkpoint is None else checkpoint
     diff = config_diff(run_config(checkpoint), config)
     breaking = {k: v for k, v in diff.items() if is_breaking(k)}
     if breaking:
@@ -88,8 +127,43 @@ def check_resume(path: Path, config: Mapping[str, Any], output_dir: Path) -> dic
         "global_step": int(checkpoint["global_step"]),
         "changed": {k: {"checkpoint": a, "now": b} for k, (a, b) in diff.items()},
     }
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "resume_diff.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    if write:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RESUME_FILE).write_text(yaml.safe_dump(record, sort_keys=False))
     changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()) or "none"
     print(f"Resuming {path} at step {record['global_step']}; config changes: {changes}")
     return diff
+
+
+def checkpoint_world(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """{world_size, global_batch, lr} of the run that wrote `checkpoint` (`world`, saved by DiffusionModule; for
+    older checkpoints, from its config and its LR schedule; unknown values are None)."""
+    world = dict(checkpoint.get(WORLD_KEY) or {})
+    if not world:
+        config = run_config(checkpoint)
+        trainer, data = config.get("trainer") or {}, config.get("data") or {}
+        sizes = [trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("accumulate_grad_batches", 1)]
+        if all(isinstance(n, int) and n > 0 for n in sizes):
+            world["world_size"] = sizes[0] * sizes[1]
+            if isinstance(data.get("batch_size"), int):
+                world["global_batch"] = data["batch_size"] * sizes[0] * sizes[1] * sizes[2]
+    schedulers = checkpoint.get("lr_schedulers") or [{}]
+    if schedulers[0].get("base_lrs") and "lr" not in world:
+        world["lr"] = float(schedulers[0]["base_lrs"][0])
+    return {key: world.get(key) for key in ("world_size", "global_batch", "lr")}
+
+
+def record_world(output_dir: Path, before: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """Add `world: {checkpoint, now, changed}` to resume_diff.yaml; True if the world size or global batch changed."""
+    changed = any(before.get(k) is not None and before.get(k) != now.get(k) for k in ("world_size", "global_batch"))
+    path = output_dir / RESUME_FILE
+    record = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    record["world"] = {"checkpoint": dict(before), "now": dict(now), "changed": changed}
+    path.write_text(yaml.safe_dump(record, sort_keys=False))
+    if changed:
+        print(
+            f"Resuming at another scale: world size {before.get('world_size')} -> {now['world_size']}, global batch "
+            f"{before.get('global_batch')} -> {now['global_batch']}, LR {before.get('lr')} -> {now['lr']} "
+            "(optim.scaling applied to the new global batch; recorded in resume_diff.yaml)"
+        )
+    return changed

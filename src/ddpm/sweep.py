@@ -87,6 +87,8 @@ def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[
     """One row per job under `sweep_dir`: job folder, each override, status, objective; best first."""
     rows = []
     for path in sorted(sweep_dir.rglob(RESULT_FILE)):
+        if any(part.startswith("replaced-") for part in path.relative_to(sweep_dir).parts):
+            continue  # an earlier sweep's jobs, moved aside by overwrite=true (ddpm.run_dir)
         result = json.loads(path.read_text())
         overrides = dict(item.split("=", 1) for item in result["overrides"] if "=" in item)
         value = result.get(objective)

@@ -1,32 +1,82 @@
-"""train(cfg): compose objects from the Hydra config, fit, export the EMA weights, return val/loss."""
+"""train(cfg): compose objects from the Hydra config, fit, export the EMA weights, return val/loss.
 
+Before anything is written, the run claims its folder (ddpm.run_dir: never into another run's results); after
+fit, a run that took no optimizer step fails instead of exporting untrained weights as a success.
+"""
+
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import validate_config
+from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, world_of
 from ddpm.memory import explain_oom
 from ddpm.precision import configure_precision, resolve_compile, resolve_precision
-from ddpm.resume import check_resume, resolve_ckpt_path
+from ddpm.resume import check_resume, checkpoint_world, load_training_checkpoint, record_world, resolve_ckpt_path
+from ddpm.run_dir import claim_run, first_process
 from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
+from ddpm.weights.init import load_init
 from ddpm.weights.lightning_io import AtomicCheckpointIO
 from ddpm.weights.safetensors_file import save_ema_safetensors
 from ddpm.weights.torch_file import export_ema
 
 
+class NoTrainingStep(RuntimeError):
+    """fit() ended without a single optimizer step although the config asked for training."""
+
+
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
     ema = instantiate(cfg.ema)
-    others = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    others = [instantiate(node, **reuse_names(node)) for node in nodes]
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
+
+
+def reuse_names(node: Any) -> dict[str, Any]:
+    """A ModelCheckpoint overwrites its own names (last.ckpt, step_*.ckpt) instead of adding last-v1.ckpt: files
+    already there are this run's own, resumed in place (ddpm.run_dir refuses or moves any other run's)."""
+    target = node.get("_target_") if hasattr(node, "get") else None
+    try:
+        is_checkpoint = isinstance(target, str) and issubclass(get_class(target), ModelCheckpoint)
+    except (ImportError, ValueError, TypeError):
+        is_checkpoint = False
+    return {"enable_version_counter": False} if is_checkpoint else {}
+
+
+def checkpoint_dirs(resolved: dict[str, Any]) -> list[Path]:
+    """The dirpath of every ModelCheckpoint in the config (they may lie outside the run folder)."""
+    nodes = (resolved.get("callbacks") or {}).values()
+    return [Path(n["dirpath"]) for n in nodes if isinstance(n, dict) and n.get("dirpath") and reuse_names(n)]
+
+
+def hpc_checkpoint(folder: Path) -> Path | None:
+    """The newest hpc_ckpt_<n>.ckpt Lightning's SLURM requeue saved in `folder` (it resumes from it by itself)."""
+    found = [
+        (int(m[1]), p) for p in folder.glob("hpc_ckpt_*.ckpt") if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name))
+    ]
+    return max(found)[1] if found else None
+
+
+def keep_metrics_history(loggers: list[Any] | bool) -> None:
+    """Lightning's CSVLogger deletes an existing metrics.csv when it starts; a resume in place keeps the old one
+    under another name (metrics-<time>.csv)."""
+    for logger in loggers or []:
+        old = Path(logger.log_dir) / "metrics.csv" if isinstance(logger, CSVLogger) else None
+        if old is not None and old.is_file():
+            old.rename(old.with_name(f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.csv"))
 
 
 def build_loggers(cfg: DictConfig) -> list[Any] | bool:
@@ -79,6 +129,11 @@ def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
     resolved = resolve_config(cfg)  # fail fast, before the LR range test too
+    output_dir = Path(cfg.paths.output_dir)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
+    ckpt_path = ckpt_path or hpc_checkpoint(output_dir)  # a requeued SLURM job resumes in place
+    claim_run(output_dir, ckpt_path=ckpt_path, overwrite=bool(cfg.get("overwrite")),
+              checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
     if cfg.get("tune") is not None:
         if not run_tuning(cfg):
             return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
@@ -86,38 +141,92 @@ def train(cfg: DictConfig) -> float | None:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     precision = resolved.get("trainer", {}).get("precision")
-    output_dir = Path(cfg.paths.output_dir)
+    start_step, before = 0, None
+    if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder
+        checkpoint = load_training_checkpoint(ckpt_path)
+        check_steps_left(ckpt_path, int(checkpoint["global_step"]), resolved.get("trainer", {}).get("max_steps", -1))
+        check_resume(ckpt_path, resolved, output_dir, checkpoint=checkpoint, write=first_process())  # breaking changes
+        start_step, before = int(checkpoint["global_step"]), checkpoint_world(checkpoint)
+        del checkpoint
+    net = instantiate(cfg.model)
+    if cfg.get("init_from") and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
+        load_init(cfg.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
+        if first_process():
+            print(f"init_from: the weights of {cfg.init_from} (a fresh optimizer and schedule)")
     output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
-    if ckpt_path is not None:
-        check_resume(ckpt_path, resolved, output_dir)  # safe load, refuses breaking config changes
+    if first_process():
+        OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
 
     datamodule = instantiate(cfg.data)
-    net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
+    diffusion, optim = instantiate(cfg.diffusion), instantiate(cfg.optim)
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
     # A partial, called with module.compile as decided (auto resolved above)
     module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved,
                                                      compile=resolved["module"]["compile"])  # fmt: skip
     ema, callbacks = build_callbacks(cfg)
     configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
+    loggers = build_loggers(cfg)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
-        callbacks=callbacks,
-        logger=build_loggers(cfg),
+        callbacks=[*callbacks, RestoreCollectiveTimeout()],  # after the ranks joined (dist_timeout_s)
+        logger=loggers,
         default_root_dir=str(output_dir),
         plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
     )
-    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision):
+    timeout = cfg.get("dist_timeout_s", 600)
+    bound_join(trainer, timeout)
+    if first_process():
+        keep_metrics_history(loggers)
+        if before is not None:  # world size, global batch and LR before/after, in resume_diff.yaml
+            record_world(output_dir, before, world_of(trainer, getattr(datamodule, "batch_size", 0), optim.scaled_lr))
+    joining = explain_join_failure(world_size=trainer.world_size, num_nodes=trainer.num_nodes, seconds=timeout)
+    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
+    check_trained(trainer, start_step)  # before anything is exported
 
     if trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
         safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # the same, unpickle-free
         print(f"EMA weights: {path} (and {safe.name})")
     return objective_value(trainer, cfg.get("objective") or "val/loss")
+
+
+def check_steps_left(ckpt_path: Path, step: int, max_steps: int) -> None:
+    """A resume from a checkpoint at or past trainer.max_steps would train nothing: refused up front."""
+    if max_steps is not None and max_steps >= 0 and step >= max_steps:
+        raise NoTrainingStep(
+            f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to train; "
+            f"raise trainer.max_steps (e.g. trainer.max_steps={step + max(step, 1)}) to continue the run "
+            "(its EMA weights are already in its ema.pt: python -m ddpm.export or sample.py read them)"
+        )
+
+
+def check_trained(trainer: pl.Trainer, start_step: int) -> None:
+    """Fail a fit that asked for training but took no optimizer step (the guard of last resort: the datamodules
+    check their batches up front), so no untrained ema.pt is exported and the run is not reported a success."""
+    asked = trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
+    if trainer.global_step > start_step or not asked:
+        return
+    batches = trainer.num_training_batches
+    loader = trainer.train_dataloader
+    size = len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else "?"
+    if trainer.max_epochs not in (None, -1) and trainer.current_epoch >= trainer.max_epochs:
+        cause = (f"the run was already at epoch {trainer.current_epoch} of trainer.max_epochs={trainer.max_epochs}; "
+                 "raise trainer.max_epochs (or set trainer.max_steps with trainer.max_epochs=-1)")  # fmt: skip
+    elif batches == 0:
+        cause = (f"the training data gave no batch: {size} training samples over {trainer.world_size} process(es) "
+                 f"leave each fewer than data.batch_size={getattr(loader, 'batch_size', '?')} (the last partial "
+                 "batch is dropped); lower data.batch_size, use more data (data.limit) or fewer processes")  # fmt: skip
+    else:
+        cause = (f"the data gave {batches} batch(es) per process, but fitting stopped before the first optimizer "
+                 f"step (trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}; a callback, a signal or "
+                 "trainer.max_time stopped it: see the log above)")  # fmt: skip
+    raise NoTrainingStep(
+        f"the run took no optimizer step (global step {trainer.global_step}, trainer.max_steps={trainer.max_steps}, "
+        f"trainer.max_epochs={trainer.max_epochs}): {cause}. Nothing was exported (no ema.pt, ema.safetensors)"
+    )
 
 
 def objective_value(trainer: pl.Trainer, key: str) -> float | None:

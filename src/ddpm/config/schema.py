@@ -101,6 +101,8 @@ TRAIN_KEYS: dict[str, Any] = {  # conf/train.yaml's own keys; each group is a `_
     "resume_dir": str | None,
     "slurm_requeue": bool,
     "overwrite": bool,
+    "init_from": str | None,
+    "dist_timeout_s": float,
     "paths": TypedDict("Paths", {"output_dir": str}, total=False),
     "tune": TypedDict("Tune", {"lr_find": Node, "apply": bool}, total=False) | None,
     "callbacks": dict[str, Node] | None,  # free-form names

@@ -1,9 +1,42 @@
-"""uint8 image tensors and PIL images: resizing, padding, channel conversion, modes. Plain torch + Pillow."""
+"""uint8 image tensors and PIL images: resizing, padding, channel conversion, modes. Plain torch + Pillow.
+
+How each Pillow mode becomes 8-bit "L" or "RGB" (`to_mode`), or is refused with the file named:
+
+- 8-bit modes (1, L, P, RGB, RGBA, RGBa, RGBX, LA, La, PA, CMYK, YCbCr, HSV) by Pillow's `convert`, with
+  transparency (an alpha band, or a palette index or colour marked transparent) composited onto white;
+  LAB (which Pillow cannot `convert`) to sRGB with Pillow's ImageCms (littleCMS).
+- 16-bit grey (I;16, I;16B, I;16L, I;16N): scaled from 0..65535 to 0..255 (x * 255 / 65535, rounded).
+- I (32-bit integer) by the file's real range: all values in 0..255 are 8-bit as they are; in 0..65535 are
+  scaled as 16-bit; any other range (negative, above 65535) is refused, naming the file and its range.
+- F (32-bit float): NaN or inf is refused, naming the file; values in [0, 1] are scaled by 255, values in
+  [0, 255] taken as they are (rounded); any other range is refused, naming the file and its range.
+- Any other mode is refused naming the file and the mode. The fix for a refused file: convert it, e.g. to
+  an 8- or 16-bit PNG.
+
+Decoding is bounded by a pixel count (`open_image(max_pixels=...)`, Pillow's decompression-bomb guard set
+as Image.MAX_IMAGE_PIXELS for the call and restored after): a file above it is refused naming the file and
+the setting to raise. Pillow itself only warns between 1x and 2x its limit (DecompressionBombWarning) and
+refuses above 2x; here both are the same refusal, so the limit means what it says and no oversized decode
+slips through as a warning lost in a DataLoader worker's stderr. Every other decoder error names the file.
+"""
+
+import io
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+PILLOW_MAX_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS (a 0.25 GB 24-bit image)
+EIGHT_BIT_MODES = {"1", "L", "P", "RGB", "RGBA", "RGBa", "RGBX", "LA", "La", "PA", "CMYK", "YCbCr", "HSV", "LAB"}
+SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N"}
+GREY_MODES = {"1", "L", "LA", "La", "I", "F"} | SIXTEEN_BIT_MODES  # the modes whose natural form is "L"
+_CONVERT = "convert the files, e.g. to 8- or 16-bit PNG"
 
 
 def resize_uint8(images: Tensor, size: int) -> Tensor:
@@ -42,19 +75,104 @@ def convert_channels(images: Tensor, channels: int | None) -> Tensor:
     raise ValueError(f"data.channels={channels}: cannot convert {have}-channel images; use 1, 3 or null")
 
 
-def to_mode(image, mode: str):
-    """A PIL image of any mode as `mode` ("L" or "RGB"): transparency (RGBA, LA, PA, palette with a transparent
-    index) is composited onto white, 16/32-bit grey (I;16, I) scaled from 0..65535 to 0..255, palettes expanded;
-    RGB -> L is ITU-R 601-2 luma (PIL's)."""
+def _grey(array: np.ndarray, full_scale: float):
+    """A 2-D array on 0..full_scale -> a mode-L image on 0..255."""
     from PIL import Image
 
-    if image.mode.startswith("I"):  # 16-bit greyscale PNG/TIFF: keep the range, not the low byte
-        scaled = np.asarray(image, dtype=np.float64) * (255 / 65535)
-        image = Image.fromarray(np.clip(np.round(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
-    if "A" in image.getbands() or "transparency" in image.info:
+    scaled = np.asarray(array, dtype=np.float64) * (255 / full_scale)
+    return Image.fromarray(np.clip(np.round(scaled), 0, 255).astype(np.uint8))
+
+
+class ImageModeError(ValueError):
+    """A decoded image whose mode or values have no stated conversion to 8 bits (the message names the file)."""
+
+
+def to_eight_bit(image, name: str = "the image"):
+    """A PIL image of any mode as one of the 8-bit modes, by the rule in the module docstring (or ImageModeError)."""
+    mode = image.mode
+    if mode in SIXTEEN_BIT_MODES:
+        return _grey(np.asarray(image), 65535)
+    if mode in ("I", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        if not np.isfinite(array).all():
+            bad = int((~np.isfinite(array)).sum())
+            raise ImageModeError(f"{name}: {bad} of its {array.size} float pixels (mode F) are NaN or inf; {_CONVERT}")
+        low, high = array.min(), array.max()
+        for full_scale in (1.0, 255.0) if mode == "F" else (255.0, 65535.0):  # the first range that holds it
+            if low >= 0 and high <= full_scale:
+                return _grey(array, full_scale)
+        kind = "32-bit float (mode F) pixels, neither in [0, 1] nor in [0, 255]" if mode == "F" else (
+            "32-bit integer (mode I) pixels, neither in 0..255 nor in 0..65535")  # fmt: skip
+        raise ImageModeError(f"{name}: {kind}: its range is {low:g}..{high:g}; {_CONVERT}")
+    if mode == "LAB":
+        from PIL import ImageCms
+
+        lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
+        return ImageCms.applyTransform(image, ImageCms.buildTransform(lab, srgb, "LAB", "RGB"))
+    if mode == "La":  # premultiplied grey + alpha: Pillow converts it only to LA
+        return image.convert("LA")
+    if mode not in EIGHT_BIT_MODES:
+        raise ImageModeError(f"{name}: Pillow mode {mode!r} has no stated conversion to 8-bit; {_CONVERT}")
+    return image
+
+
+def natural_mode(image) -> str:
+    """ "L" for grey modes (with or without alpha, any depth), "RGB" for the others."""
+    return "L" if image.mode in GREY_MODES else "RGB"
+
+
+def to_mode(image, mode: str, name: str = "the image"):
+    """A PIL image of any mode as `mode` ("L" or "RGB") by the rule in the module docstring; transparency is
+    composited onto white; RGB -> L is ITU-R 601-2 luma (PIL's). Refusals (ImageModeError) name `name`."""
+    from PIL import Image
+
+    image = to_eight_bit(image, name)
+    if {"A", "a"} & set(image.getbands()) or "transparency" in image.info:
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     return image.convert(mode)
+
+
+@contextmanager
+def pixel_limit(max_pixels: int | None) -> Iterator[None]:
+    """Pillow's decompression-bomb limit set to `max_pixels` (None: none), its warning made an error; restored."""
+    from PIL import Image
+
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def open_image(file: Path | bytes, mode: str | None, *, name: str, max_pixels: int | None, setting: str):
+    """Decode `file` (a path or the bytes of one) as a loaded PIL image in `mode` ("L", "RGB"; None: its natural
+    one). Any failure is a ValueError naming `name`; an image over `max_pixels` names `setting`, the key to raise."""
+    from PIL import Image
+
+    try:
+        with pixel_limit(max_pixels), Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as image:
+            converted = to_mode(image, mode or natural_mode(image), name)
+            converted.load()
+            return converted
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        found = re.search(r"\((\d+) pixels\)", str(error))  # Pillow: "Image size (N pixels) exceeds limit of ..."
+        pixels = int(found.group(1)) if found else None
+        size, at_least = (f"has {pixels:,} pixels", str(pixels)) if pixels else ("is too large", "<N>")
+        raise ValueError(
+            f"{name} {size}, over {setting}={max_pixels} (the decompression-bomb guard: a small file can decode to "
+            f"gigabytes); if you trust it set {setting}={at_least} or more ({setting}=null: no limit, only for "
+            "trusted files), else remove it"
+        ) from error
+    except ImageModeError:
+        raise
+    except Exception as error:  # Pillow raises many types for damaged files (OSError, SyntaxError, EOFError, ...)
+        raise ValueError(
+            f"{name} is not a readable image ({type(error).__name__}: {error}); remove or replace it"
+        ) from error
 
 
 def centre_crop(image, size: int) -> Tensor:

@@ -7,36 +7,58 @@
 
 SOURCE is digits | mnist:ROOT | cifar10:ROOT | folder:ROOT. Samples are shuffled (seeded) before sharding,
 so every shard mixes the classes. The last line printed is the `data.urls=...` value to train with.
+A folder's images convert by the mode rule of ddpm.data.images; a file that is refused (a mode or range with
+no stated conversion, a damaged file, more pixels than --max-pixels) stops the command naming it.
 """
 
 import argparse
 import io
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
+from ddpm.data.images import PILLOW_MAX_PIXELS
 from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource, Source
 
+
+@dataclass(frozen=True, kw_only=True)
+class FolderSource(ImageFolderSource):
+    """ImageFolderSource whose refusals name this command's option."""
+
+    setting: ClassVar[str] = "--max-pixels"
+
+
 SOURCES = {
-    "digits": lambda root: DigitsSource(),
-    "mnist": lambda root: MNISTSource(root=root, split="auto"),
-    "cifar10": lambda root: CIFAR10Source(root=root, split="train"),
-    "folder": lambda root: ImageFolderSource(root=root),
+    "digits": lambda root, max_pixels: DigitsSource(),
+    "mnist": lambda root, max_pixels: MNISTSource(root=root, split="auto"),
+    "cifar10": lambda root, max_pixels: CIFAR10Source(root=root, split="train"),
+    "folder": lambda root, max_pixels: FolderSource(root=root, max_pixels=max_pixels),
 }
 
 
-def parse_source(spec: str) -> Source:
+def parse_source(spec: str, max_pixels: int | None = PILLOW_MAX_PIXELS) -> Source:
     """'digits' | 'mnist:ROOT' | 'cifar10:ROOT' | 'folder:ROOT' -> a reader from ddpm.data.sources."""
     name, _, root = spec.partition(":")
     if name not in SOURCES:
         raise ValueError(f"unknown source {spec!r}; use digits, mnist:ROOT, cifar10:ROOT or folder:ROOT")
     if name != "digits" and not root:
         raise ValueError(f"source {name} needs a folder: {name}:ROOT")
-    return SOURCES[name](root or None)
+    return SOURCES[name](root or None, max_pixels)
+
+
+def pixel_count(text: str) -> int | None:
+    """--max-pixels: a count >= 1, or null / none for no limit."""
+    if text.lower() in ("null", "none"):
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pixel count >= 1 or null")
+    return int(text)
 
 
 def png_bytes(image: Tensor) -> bytes:
@@ -90,13 +112,19 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--limit", type=int, default=None, help="write only the first N samples (after shuffling)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle before sharding")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the source's order")
+    parser.add_argument("--max-pixels", type=pixel_count, default=PILLOW_MAX_PIXELS,
+                        help="folder: refuse images with more pixels (decompression bombs); null: no limit, only "
+                        "for trusted files")  # fmt: skip
     args = parser.parse_args(argv)
 
     try:
-        source = parse_source(args.source)
+        source = parse_source(args.source, args.max_pixels)
     except ValueError as error:
         parser.error(str(error))
-    data = source.load(image_size=args.image_size, channels=args.channels)
+    try:
+        data = source.load(image_size=args.image_size, channels=args.channels)
+    except (ValueError, FileNotFoundError) as error:  # names the file (or data.root) and what to change
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
     order = torch.arange(len(data.images))
     if not args.no_shuffle:
         order = torch.randperm(len(order), generator=torch.Generator().manual_seed(args.seed))

@@ -12,8 +12,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ddpm.data.sampler import ResumableLoader, ResumableSampler, generator
-from ddpm.data.sources import ImageSet, Source
+from ddpm.data.sampler import ResumableLoader, ResumableSampler, RunShape, check_training_batches, generator
+from ddpm.data.sources import (
+    ImageSet,
+    Source,
+    require,
+    require_channels,
+    require_image_size,
+    require_positive_int,
+)
 
 Batch = tuple[Tensor, Tensor]  # images (B, C, H, W), labels (B,) int64
 
@@ -108,16 +115,22 @@ class RAMDataModule(ScaleOnDevice):
         root: str | None = None,  # the dataset folder (the user-facing `data.root`, read by the source)
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size={batch_size} must be >= 1")
-        if not (0 < val_size < 1 or (isinstance(val_size, int) and val_size >= 1)):
-            raise ValueError(f"data.val_size={val_size} must be a fraction in (0, 1) or a count >= 1")
+        require_image_size("data.image_size", image_size)
+        require_channels("data.channels", channels)
+        require_positive_int("data.batch_size", batch_size)
+        require_positive_int("data.num_workers", num_workers, minimum=0)
+        require("data.val_size", val_size, lambda v: 0 < v < 1 or (isinstance(v, int) and v >= 1),
+                "a fraction in (0, 1) or a count >= 1")  # fmt: skip
+        require_positive_int("data.limit", limit, allow_none=True)
+        require("data.max_ram_fraction", max_ram_fraction, lambda v: 0 < v <= 1, "in (0, 1]",
+                "it is the share of the available RAM the preloaded images may take")  # fmt: skip
         self.source, self.image_size, self.channels = source, image_size, channels
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
         self.split_seed, self.hflip, self.limit = split_seed, hflip, limit
         self.max_ram_fraction, self.root = max_ram_fraction, root
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.data: ImageSet | None = None
+        self.loaded = 0  # images the source returned (before data.limit)
         self.train_set: ImageTensorDataset | None = None
         self.val_set: ImageTensorDataset | None = None
 
@@ -129,19 +142,45 @@ class RAMDataModule(ScaleOnDevice):
         self.source.prepare()
 
     def setup(self, stage: str | None = None) -> None:
-        if self.data is not None:
-            return
+        if self.data is None:
+            self._load()
+        if stage in (None, "fit"):
+            self._check_batches(RunShape.of(self.trainer))
+
+    def _load(self) -> None:
         self._check_ram()
         data = self.source.load(image_size=self.image_size, channels=self.channels)
+        self.loaded = len(data.images)  # before data.limit
         if self.limit is not None:
             data = ImageSet(data.images[: self.limit], data.labels[: self.limit], data.num_classes)
         validate_image_set(data, image_size=self.image_size)
         data.images.share_memory_()  # workers see this storage, no copies (fork or spawn)
         data.labels.share_memory_()
-        self.data = data
         train, val = self._split(len(data.images))
+        self.data = data
         self.train_set = ImageTensorDataset(data.images, data.labels, train)
         self.val_set = ImageTensorDataset(data.images, data.labels, val)
+
+    def _images(self, n: int) -> str:
+        """'N images' with data.limit named when it cut the source."""
+        return f"{n} images" + (f" (data.limit={self.limit} of {self.loaded})" if n < self.loaded else "")
+
+    def _check_batches(self, shape: RunShape) -> None:
+        """Each process's share (the DistributedSampler's split with drop_last) must give a full optimizer step."""
+        assert self.train_set is not None and self.data is not None
+        n = len(self.train_set)
+        share = len(ResumableSampler(self.train_set, num_replicas=shape.world_size, rank=shape.rank))
+        source = f"{n} training images ({self._images(len(self.data.images))} minus data.val_size={self.val_size})"
+        if shape.world_size > 1:
+            source += f" split over {shape.processes()} are {share} per process"
+        fewer = ", or use fewer processes" if shape.world_size > 1 else ""
+
+        def fix(needed: int) -> str:
+            most = f"lower data.batch_size to at most {share // needed}" if share >= needed else "use more images"
+            return most + fewer
+
+        check_training_batches(batches=share // self.batch_size, shape=shape, source=source,
+                               batch_size=self.batch_size, fix_more=fix)  # fmt: skip
 
     def _check_ram(self) -> None:
         count = self.source.count() if self.limit is None else min(self.limit, self.source.count())
@@ -157,15 +196,12 @@ class RAMDataModule(ScaleOnDevice):
     def _split(self, n: int) -> tuple[Tensor, Tensor]:
         n_val = self.val_size if isinstance(self.val_size, int) else max(1, round(n * self.val_size))
         if n_val >= n:
-            raise ValueError(f"data.val_size={self.val_size} leaves no training images out of {n}; lower it")
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.split_seed))
-        train, val = order[n_val:].sort().values, order[:n_val].sort().values
-        if len(train) < self.batch_size:
             raise ValueError(
-                f"data.batch_size={self.batch_size} exceeds the {len(train)} training images (drop_last=True "
-                "would leave no batch); lower data.batch_size"
+                f"data.val_size={self.val_size} holds out {n_val} of the {self._images(n)}, leaving no training "
+                "images; lower data.val_size" + (" or raise data.limit" if n < self.loaded else "")
             )
-        return train, val
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.split_seed))
+        return order[n_val:].sort().values, order[:n_val].sort().values
 
     def _loader(self, dataset: Dataset[Batch] | None, *, train: bool) -> DataLoader[Batch]:
         if dataset is None:

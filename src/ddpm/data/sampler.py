@@ -7,10 +7,18 @@ resume its `ResumableSampler` replays the same permutation (seed + epoch, as Dis
 and skips the batches already trained on. No global RNG is drawn: not for the order, and not for
 the iterator's worker seed (the loader gets its own generator), so resuming and validating leave
 the training RNG streams alone.
+
+The position is global, so it survives a resume at another world size or batch size: the epoch keeps its
+permutation (seed + epoch; DistributedSampler deals position p of it to rank p % world_size), and the
+checkpoint records `samples_seen`, the S first positions of it trained on. The resumed run's W ranks each skip
+ceil(S / W) indices of their share, so no sample of the epoch comes twice, every rank keeps the same number of
+batches, and fewer than W samples go unseen this epoch; when no whole batch is left, the next epoch starts.
+`resume_shift` tells the LightningModule how far Lightning's own batch count within the epoch must move.
 """
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,41 +63,113 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader over a ResumableSampler whose state is (epoch, batches handed out this epoch)."""
+    """A DataLoader over a ResumableSampler whose state is (epoch, batches handed out this epoch, samples seen)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, ResumableSampler) or self.batch_size is None:
             raise TypeError("ResumableLoader needs sampler=ResumableSampler(...) and a batch_size")
-        self.batches_done = 0  # batches handed out in the current epoch
+        self.batches_done = 0  # batches of the current epoch counted as done (Lightning's count)
+        self.consumed = 0  # indices of this rank's share trained on (or skipped) this epoch
+        self.resume_shift = 0  # batches this epoch minus the checkpoint's count, after load_state_dict
 
     def __iter__(self) -> Iterator[Any]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        self.batches_done = sampler.skip // self.batch_size  # type: ignore[operator]
+        self.consumed = sampler.skip
+        self.batches_done = len(self) - (len(sampler) - sampler.skip) // self.batch_size  # type: ignore[operator]
         for batch in super().__iter__():
             self.batches_done += 1
+            self.consumed += self.batch_size  # type: ignore[operator]
             yield batch
 
     def state_dict(self) -> dict[str, int]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        return {"epoch": sampler.epoch, "batches_done": self.batches_done, "batch_size": self.batch_size}  # type: ignore[dict-item]
+        return {"epoch": sampler.epoch, "batches_done": self.batches_done, "batch_size": self.batch_size,  # type: ignore[dict-item]
+                "num_replicas": sampler.num_replicas, "samples_seen": self.consumed * sampler.num_replicas}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        if state["batches_done"] >= len(self):  # stopped on the epoch's last batch: the next epoch starts afresh
+        world = sampler.num_replicas
+        seen = state.get("samples_seen")  # global positions of the epoch's permutation (older checkpoints: derived)
+        if seen is None:
+            seen = state["batches_done"] * state.get("batch_size", self.batch_size) * state.get("num_replicas", world)
+        skip = -(-seen // world)  # every rank the same count: no position below `seen` comes again
+        left = (len(sampler) - skip) // self.batch_size  # type: ignore[operator]
+        if left <= 0:  # no whole batch of the epoch left: the next epoch starts afresh
             sampler.set_epoch(state["epoch"] + 1)
-            sampler.skip = 0
-        elif state.get("batch_size") != self.batch_size:
-            raise ValueError(
-                f"the checkpoint stopped mid-epoch at data.batch_size={state.get('batch_size')}, this run has "
-                f"{self.batch_size}; resume with the same data.batch_size (or from an end-of-epoch checkpoint)"
-            )
+            skip = 0
         else:
             sampler.set_epoch(state["epoch"])
-            sampler.skip = state["batches_done"] * self.batch_size  # type: ignore[operator]
-        self.batches_done = sampler.skip // self.batch_size  # type: ignore[operator]
+        sampler.skip = self.consumed = skip
+        self.batches_done = len(self) - left if left > 0 else len(self)
+        self.resume_shift = self.batches_done - state["batches_done"]  # Lightning restores the checkpoint's count
 
 
 def generator(seed: int | None = None) -> torch.Generator:
     """A CPU generator for a DataLoader, so creating its iterator draws nothing from the global torch RNG."""
     return torch.Generator().manual_seed(default_seed() if seed is None else seed)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How the Trainer splits the work: processes and micro-batches per optimizer step."""
+
+    world_size: int = 1  # trainer.devices x trainer.num_nodes
+    rank: int = 0
+    devices: int = 1  # trainer.devices (per node)
+    num_nodes: int = 1
+    accumulate: int = 1  # trainer.accumulate_grad_batches
+    limit_train_batches: int | float | None = None  # trainer.limit_train_batches (None: no limit)
+
+    @classmethod
+    def of(cls, trainer: Any) -> "RunShape":
+        """The shape of `trainer` (None, outside a Trainer: one process, no accumulation)."""
+        if trainer is None:
+            return cls()
+        world = int(getattr(trainer, "world_size", 1))
+        nodes = int(getattr(trainer, "num_nodes", 1) or 1)
+        return cls(world_size=world, rank=int(getattr(trainer, "global_rank", 0)),
+                   devices=int(getattr(trainer, "num_devices", max(1, world // nodes))), num_nodes=nodes,
+                   accumulate=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                   limit_train_batches=getattr(trainer, "limit_train_batches", None))  # fmt: skip
+
+    def processes(self) -> str:
+        return (f"{self.world_size} process(es) (trainer.devices={self.devices} x "
+                f"trainer.num_nodes={self.num_nodes})")  # fmt: skip
+
+    def limited(self, batches: int) -> int:
+        """The batches Lightning runs per epoch out of `batches` under trainer.limit_train_batches."""
+        limit = self.limit_train_batches
+        if limit is None or (isinstance(limit, float) and limit == 1.0):
+            return batches
+        return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
+def check_training_batches(
+    *, batches: int, shape: RunShape, source: str, batch_size: int, fix_more: Callable[[int], str]
+) -> None:
+    """Refuse an epoch of `batches` per process that gives no full optimizer step, naming the keys to change.
+
+    The datamodules run it at setup with each process's share (the DistributedSampler's split with drop_last).
+    Zero batches would train zero steps; fewer than trainer.accumulate_grad_batches would make every optimizer
+    step average fewer micro-batches than configured (Lightning steps at the epoch's end and divides each loss
+    by accumulate_grad_batches, so the gradient shrinks by that ratio while the LR scaling rule assumes the full
+    global batch). `source` says where the per-process count comes from (with its keys); `fix_more(k)` how to
+    get k batches per process."""
+    run = shape.limited(batches)
+    where = f"{source}: {batches} full batch(es) of data.batch_size={batch_size} per process and epoch"
+    if run < batches:
+        where += f", {run} under trainer.limit_train_batches={shape.limit_train_batches}"
+    limited = run < batches  # trainer.limit_train_batches is what cuts the epoch short
+
+    def more(needed: int) -> str:
+        return "raise trainer.limit_train_batches" if limited else fix_more(needed)
+
+    if run < 1:
+        raise ValueError(f"{where}, so the run would train zero optimizer steps; {more(max(1, shape.accumulate))}")
+    if run < shape.accumulate:
+        raise ValueError(
+            f"{where}, fewer than trainer.accumulate_grad_batches={shape.accumulate}: every optimizer step would "
+            f"average only {run} of the {shape.accumulate} micro-batches it is scaled for (Lightning steps at each "
+            f"epoch's end); lower trainer.accumulate_grad_batches to at most {run}, or {more(shape.accumulate)}"
+        )

@@ -1,20 +1,26 @@
 """Reading WebDataset tar shards: URL patterns, which shards each (rank, worker) slot reads, and decoding.
 
-A shard is a tar of `<key>.png` (or jpg/webp) + `<key>.cls` members per sample, opened with
-`webdataset.gopen`: local paths, `file:`, `pipe:` and http(s) URLs.
+A shard is a tar of `<key>.png` (or jpg/webp) + `<key>.cls` members per sample. http(s) URLs are streamed
+by `HTTPShard` (urllib, every read bounded by `timeout_s`, a body shorter than its Content-Length an error:
+tarfile would take a cut at a member boundary for the archive's end); local paths, `file:` and `pipe:` are
+opened with `webdataset.gopen`. Every error names the shard's URL (and the sample's key where there is one).
 """
 
+import http.client
 import io
 import tarfile
+import urllib.error
+import urllib.request
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import IO, Literal
 
 import torch
 from torch import Tensor
 
-from ddpm.data.images import convert_channels, fit_to_size
+from ddpm.data.images import PILLOW_MAX_PIXELS, convert_channels, fit_to_size, open_image
 
 OnError = Literal["raise", "skip"]
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
@@ -46,11 +52,65 @@ def assign_shards(shards: list[str], slot: int, slots: int) -> tuple[list[str], 
     return [shards[shard]], slot // len(shards), sharers
 
 
-def read_tar(url: str) -> Iterator[Sample]:
-    """Stream a tar shard as (key, {ext: bytes}), grouping consecutive members by key (name up to the first dot)."""
+class RemoteShardError(ConnectionError):
+    """An http(s) shard that cannot be fetched or whose stream broke (the message names the URL)."""
+
+
+class HTTPShard(io.RawIOBase):
+    """The body of an http(s) URL as a stream: each read waits at most `timeout_s`; errors name the URL."""
+
+    def __init__(self, url: str, *, timeout_s: float) -> None:
+        super().__init__()
+        self.url, self.timeout_s, self.received = url, timeout_s, 0
+        try:
+            self.response = urllib.request.urlopen(url, timeout=timeout_s)  # http(s) only: see open_shard
+        except urllib.error.HTTPError as error:
+            raise RemoteShardError(f"{url} answered HTTP {error.code} {error.reason}") from error
+        except (OSError, http.client.HTTPException) as error:  # URLError, refused, timeout before the headers
+            raise RemoteShardError(f"{url} cannot be fetched ({self._why(error)})") from error
+        length = self.response.headers.get("Content-Length", "")
+        self.expected = int(length) if length.strip().isdigit() else None  # None: chunked or close-delimited
+
+    def _why(self, error: BaseException) -> str:
+        reason = getattr(error, "reason", error)
+        if isinstance(reason, TimeoutError):
+            return f"no answer within data.timeout_s={self.timeout_s} s"
+        return f"{type(reason).__name__}: {reason}"
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        try:
+            count = self.response.readinto(buffer)
+        except (OSError, http.client.HTTPException) as error:  # a stall past the timeout, a reset, a broken chunk
+            raise RemoteShardError(f"{self.url} broke off after {self.received} bytes ({self._why(error)})") from error
+        if count == 0 and len(buffer) and self.expected is not None and self.received < self.expected:
+            raise RemoteShardError(
+                f"{self.url} ended after {self.received} of its {self.expected} bytes (Content-Length): the "
+                "connection was closed mid-stream"
+            )
+        self.received += count
+        return count
+
+    def close(self) -> None:
+        if hasattr(self, "response"):
+            self.response.close()
+        super().close()
+
+
+def open_shard(url: str, *, timeout_s: float) -> IO[bytes]:
+    """A binary stream of the shard at `url`: http(s) by HTTPShard, anything else by webdataset.gopen."""
+    if url.lower().startswith(("http://", "https://")):
+        return io.BufferedReader(HTTPShard(url, timeout_s=timeout_s), buffer_size=1 << 20)
     from webdataset.gopen import gopen
 
-    with gopen(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+    return gopen(url, "rb")
+
+
+def read_tar(url: str, *, timeout_s: float = 60.0) -> Iterator[Sample]:
+    """Stream a tar shard as (key, {ext: bytes}), grouping consecutive members by key (name up to the first dot)."""
+    with open_shard(url, timeout_s=timeout_s) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
         key, fields = None, {}
         for member in tar:
             if not member.isfile():
@@ -67,50 +127,80 @@ def read_tar(url: str) -> Iterator[Sample]:
             yield key, fields
 
 
-def decode(fields: dict[str, bytes], *, image_size: int, channels: int | None) -> tuple[Tensor, int]:
-    """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index."""
+def decode(
+    fields: dict[str, bytes],
+    *,
+    image_size: int,
+    channels: int | None,
+    max_pixels: int | None = PILLOW_MAX_PIXELS,
+    key: str = "sample",
+) -> tuple[Tensor, int]:
+    """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index. Modes convert as
+    ddpm.data.images says (16-bit scaled, transparency onto white, ...); images over max_pixels are refused."""
     import numpy as np
-    from PIL import Image
 
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in fields), None)
     label_ext = next((e for e in LABEL_EXTENSIONS if e in fields), None)
     if image_ext is None or label_ext is None:
         raise ValueError(f"the sample has fields {sorted(fields)}; it needs an image ({IMAGE_EXTENSIONS}) and a .cls")
-    with Image.open(io.BytesIO(fields[image_ext])) as image:
-        image = image.convert("L" if channels == 1 or (channels is None and image.mode == "L") else "RGB")
-        array = np.asarray(image, dtype=np.uint8)
+    mode = {1: "L", 3: "RGB"}.get(channels)  # type: ignore[arg-type]
+    image = open_image(fields[image_ext], mode, name=f"image {key}.{image_ext}", max_pixels=max_pixels,
+                       setting="data.max_pixels")  # fmt: skip
+    array = np.asarray(image, dtype=np.uint8)
     array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
     tensor = fit_to_size(torch.from_numpy(array.copy())[None], image_size)
     return convert_channels(tensor, channels)[0], int(fields[label_ext].decode().strip())
 
 
-_DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error)  # truncated or corrupt archives
+_DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error, http.client.HTTPException)  # truncated, corrupt, cut off
 
 
-def read_shard(url: str, *, image_size: int, channels: int | None, on_error: OnError) -> Iterator[tuple[Tensor, int]]:
+@dataclass
+class Skipped:
+    """What on_error=skip dropped: samples, and shards that could not be opened at all."""
+
+    samples: int = 0
+    shards: list[str] = field(default_factory=list)
+
+
+def read_shard(
+    url: str,
+    *,
+    image_size: int,
+    channels: int | None,
+    on_error: OnError,
+    max_pixels: int | None = PILLOW_MAX_PIXELS,  # images over this many pixels are refused (None: no limit)
+    timeout_s: float = 60.0,  # http(s): the longest wait for each read
+    skipped: Skipped | None = None,  # counts what on_error=skip dropped, across shards
+) -> Iterator[tuple[Tensor, int]]:
     """Decoded samples of one shard; a damaged sample raises ShardError naming the shard, or is skipped and counted."""
-    skipped, key = 0, None
-    samples = read_tar(url)
+    skipped = Skipped() if skipped is None else skipped
+    dropped, key, unreadable = 0, None, None
+    samples = read_tar(url, timeout_s=timeout_s)
     while True:
         try:
             sample = next(samples, None)
-        except _DAMAGED as error:  # the archive itself (truncated, not a tar): nothing more can be read
-            skipped += 1
+        except _DAMAGED as error:  # the archive itself (unreachable, truncated, not a tar): nothing more to read
             _fail_or_count(url, "at its start" if key is None else f"after sample {key!r}", error, on_error)
+            dropped, unreadable = dropped + 1, error
             break
         if sample is None:
             break
         key, fields = sample
         try:
-            item = decode(fields, image_size=image_size, channels=channels)
+            item = decode(fields, image_size=image_size, channels=channels, max_pixels=max_pixels, key=key)
         except Exception as error:  # PIL raises many types for damaged images
-            skipped += 1
+            dropped += 1
             _fail_or_count(url, f"in sample {key!r}", error, on_error)
             continue
         yield item
-    if skipped:
+    if key is None and unreadable is not None:
+        skipped.shards.append(url)
+        warnings.warn(f"data.on_error=skip: skipped shard {url}, which cannot be read ({unreadable})", stacklevel=2)
+    elif dropped:
+        skipped.samples += dropped
         warnings.warn(
-            f"data.on_error=skip: skipped {skipped} damaged sample(s) in shard {url} (a truncated archive counts "
+            f"data.on_error=skip: skipped {dropped} damaged sample(s) in shard {url} (a truncated archive counts "
             "as one; the samples after the damage are lost)",
             stacklevel=2,
         )
@@ -118,7 +208,9 @@ def read_shard(url: str, *, image_size: int, channels: int | None, on_error: OnE
 
 def _fail_or_count(url: str, where: str, error: Exception, on_error: OnError) -> None:
     if on_error == "raise":
+        fix = ("check that the server serves it (each read waits at most data.timeout_s)"
+               if isinstance(error, RemoteShardError) else "rewrite it (python -m ddpm.data.make_shards)")  # fmt: skip
         raise ShardError(
-            f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; rewrite it "
-            "(python -m ddpm.data.make_shards), remove it from data.urls, or set data.on_error=skip"
+            f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; {fix}, remove it from data.urls, "
+            "or set data.on_error=skip"
         ) from error

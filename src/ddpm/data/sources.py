@@ -2,19 +2,21 @@
 
 `Source.load(image_size=S, channels=C)` -> ImageSet(images (N, C, S, S) uint8 in [0, 255], labels (N,)
 int64). Readers know nothing of models or Lightning; the RAM datamodule preloads what they return.
+`require*` are the argument checks of the readers and datamodules: each refusal names the key the user sets.
 """
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ddpm.data.idx import read_idx, read_idx_header
-from ddpm.data.images import centre_crop, convert_channels, fit_to_size, to_mode
+from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, convert_channels, fit_to_size, open_image
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,30 @@ class Source(Protocol):
     def count(self) -> int: ...  # number of images, known without decoding them (for the RAM check)
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet: ...
+
+
+# --- argument checks: each refusal names the key the user sets (data.<arg>, data.source.<arg>) ---------------
+
+
+def require(key: str, value: Any, ok: Callable[[Any], bool], rule: str, fix: str = "") -> None:
+    """ValueError `key=value must be <rule>[; fix]` unless ok(value)."""
+    if not ok(value):
+        raise ValueError(f"{key}={value!r} must be {rule}" + (f"; {fix}" if fix else ""))
+
+
+def require_positive_int(key: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    rule = f"an integer >= {minimum}" + (" or null" if allow_none else "")
+    require(key, value, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, rule)
+
+
+def require_channels(key: str, value: Any) -> None:
+    require(key, value, lambda v: v in (None, 1, 3), "1, 3 or null (it follows model.in_channels unless set)")
+
+
+def require_image_size(key: str, value: Any) -> None:
+    require(key, value, lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (it follows model.image_size)")
 
 
 def finish(images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None):
@@ -92,6 +118,10 @@ class MNISTSource:
     split: Literal["auto", "train", "test", "all"] = "auto"  # auto: train+test if present, else test
     download: bool = False  # fetch the files with torchvision when they are missing
 
+    def __post_init__(self) -> None:
+        require("data.source.split", self.split, lambda v: v in ("auto", "train", "test", "all"),
+                "'auto', 'train', 'test' or 'all'")  # fmt: skip
+
     def prepare(self) -> None:
         if self.download and not self._files(quiet=True):
             from torchvision.datasets import MNIST
@@ -144,6 +174,9 @@ class CIFAR10Source:
     split: Literal["train", "test", "all"] = "train"
     download: bool = False  # fetch and verify the archive with torchvision when missing
 
+    def __post_init__(self) -> None:
+        require("data.source.split", self.split, lambda v: v in ("train", "test", "all"), "'train', 'test' or 'all'")
+
     def prepare(self) -> None:
         if self.download and not (Path(self.root or ".") / _CIFAR_DIR).is_dir():
             from torchvision.datasets import CIFAR10
@@ -189,10 +222,19 @@ _EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"
 
 @dataclass(frozen=True, kw_only=True)
 class ImageFolderSource:
-    """root/<class>/<image>: classes are the sorted sub-folder names; resized and centre-cropped at preload."""
+    """root/<class>/<image>: classes are the sorted sub-folder names; resized and centre-cropped at preload.
+
+    Every Pillow mode converts by the rule in ddpm.data.images (16-bit scaled, float and 32-bit integer files by
+    their range, transparency onto white) or is refused naming the file; so is a file over `max_pixels`."""
 
     root: str | None  # the folder of class sub-folders
     conditional: bool = True  # False: one class (labels all 0, num_classes None)
+    max_pixels: int | None = PILLOW_MAX_PIXELS  # refuse larger images (decompression bombs); None: no limit (trusted)
+    setting: ClassVar[str] = "data.source.max_pixels"  # the key that sets max_pixels, named in refusals
+
+    def __post_init__(self) -> None:
+        require("data.source.max_pixels", self.max_pixels, lambda v: v is None or (isinstance(v, int) and v >= 1),
+                "an integer >= 1, or null for no limit (only for trusted files)")  # fmt: skip
 
     def _files(self) -> list[tuple[Path, int]]:
         root = require_dir(self.root, "one sub-folder of images per class", "set data.root=...")
@@ -221,17 +263,12 @@ class ImageFolderSource:
         return len(self._files())
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet:
-        from PIL import Image, UnidentifiedImageError
-
         mode = "L" if channels == 1 else "RGB"
         files = self._files()
         images = torch.empty(len(files), 1 if mode == "L" else 3, image_size, image_size, dtype=torch.uint8)
         for i, (path, _) in enumerate(files):
-            try:
-                with Image.open(path) as image:
-                    images[i] = centre_crop(to_mode(image, mode), image_size)
-            except (UnidentifiedImageError, OSError) as error:
-                raise ValueError(f"{path} is not a readable image ({error}); remove or replace it") from error
+            image = open_image(path, mode, name=str(path), max_pixels=self.max_pixels, setting=self.setting)
+            images[i] = centre_crop(image, image_size)
         labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
         num_classes = len({label for _, label in files}) if self.conditional else None
         return ImageSet(images=images, labels=labels.long(), num_classes=num_classes)

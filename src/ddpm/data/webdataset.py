@@ -8,18 +8,24 @@ raise "No samples found"). Training resamples: each slot cycles through its shar
 every pass, through a shuffle buffer, and an epoch is a fixed number of batches (`epoch_length`).
 Validation is one ordered pass over `val_urls` (or the last `val_shards` of `urls`).
 
-Shards are opened with `webdataset.gopen`: local paths, `file:`, `pipe:` and http(s) URLs.
+Local paths, `file:` and `pipe:` shards are opened with `webdataset.gopen`; http(s) ones are streamed with a
+per-read timeout (`timeout_s`), and every failure names the URL (see ddpm.data.shards). With on_error=skip,
+each pass over a slot's shards warns with the count of shards it could not read.
 """
 
 import random
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ddpm.data.images import PILLOW_MAX_PIXELS
 from ddpm.data.ram import Batch, ScaleOnDevice
-from ddpm.data.shards import OnError, ShardError, assign_shards, expand_urls, read_shard
+from ddpm.data.sampler import RunShape, check_training_batches
+from ddpm.data.shards import OnError, ShardError, Skipped, assign_shards, expand_urls, read_shard
+from ddpm.data.sources import require, require_channels, require_image_size, require_positive_int
 
 
 class ShardStream(IterableDataset[Batch]):
@@ -38,11 +44,14 @@ class ShardStream(IterableDataset[Batch]):
         on_error: OnError = "raise",  # damaged samples: raise, or skip with a warning
         rank: int = 0,  # this process's global rank
         world_size: int = 1,  # number of processes
+        max_pixels: int | None = PILLOW_MAX_PIXELS,  # images over this many pixels are refused (None: no limit)
+        timeout_s: float = 60.0,  # http(s) shards: the longest wait for each read
     ) -> None:
         super().__init__()
         self.urls, self.image_size, self.channels, self.batch_size = urls, image_size, channels, batch_size
         self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
         self.on_error, self.rank, self.world_size = on_error, rank, world_size
+        self.max_pixels, self.timeout_s = max_pixels, timeout_s
         self.epoch = 0  # passes started in this process (workers are persistent, so it keeps counting)
 
     def __len__(self) -> int:
@@ -70,19 +79,26 @@ class ShardStream(IterableDataset[Batch]):
         """One ordered pass (validation), or endless passes in a fresh random order each (training)."""
         while True:
             order = list(shards) if self.batches_per_epoch is None else rng.sample(shards, len(shards))
-            produced = 0
+            produced, skipped = 0, Skipped()
             for url in order:
-                for i, item in enumerate(self._read(url)):
+                for i, item in enumerate(self._read(url, skipped)):
                     if i % stride == offset:
                         produced += 1
                         yield item
+            if skipped.shards:
+                warnings.warn(
+                    f"data.on_error=skip: {len(skipped.shards)} of the {len(order)} shard(s) of this pass could not "
+                    f"be read and were skipped: {skipped.shards}",
+                    stacklevel=2,
+                )
             if self.batches_per_epoch is None:
                 return
             if produced == 0:  # every shard of this slot is empty or unreadable: stop instead of spinning
                 raise ShardError(f"no readable samples in the shards {order}; check data.urls and the shard files")
 
-    def _read(self, url: str) -> Iterator[tuple[Tensor, int]]:
-        return read_shard(url, image_size=self.image_size, channels=self.channels, on_error=self.on_error)
+    def _read(self, url: str, skipped: Skipped) -> Iterator[tuple[Tensor, int]]:
+        return read_shard(url, image_size=self.image_size, channels=self.channels, on_error=self.on_error,
+                          max_pixels=self.max_pixels, timeout_s=self.timeout_s, skipped=skipped)  # fmt: skip
 
 
 def shuffle_buffer(items: Iterator, size: int, rng: random.Random) -> Iterator:
@@ -136,17 +152,26 @@ class WebDataModule(ScaleOnDevice):
         num_classes: int | None = None,  # classes in the shards' .cls labels (informational)
         hflip: bool = False,  # random horizontal flips (on the device)
         pin_memory: bool | None = None,  # None: pin when CUDA is available
+        max_pixels: int | None = PILLOW_MAX_PIXELS,  # refuse larger images (decompression bombs); None: no limit
+        timeout_s: float = 60.0,  # http(s) shards: the longest wait for each read before the shard fails
     ) -> None:
         super().__init__()
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"data.on_error={on_error!r} must be 'raise' or 'skip'")
-        if batch_size < 1 or epoch_length < 1:
-            raise ValueError(f"data.batch_size={batch_size} and data.epoch_length={epoch_length} must be >= 1")
+        require("data.on_error", on_error, lambda v: v in ("raise", "skip"), "'raise' or 'skip'")
+        require_image_size("data.image_size", image_size)
+        require_channels("data.channels", channels)
+        counts = {"batch_size": (batch_size, 1), "epoch_length": (epoch_length, 1), "num_workers": (num_workers, 0),
+                  "shuffle_buffer": (shuffle_buffer, 0)}  # fmt: skip
+        for key, (value, minimum) in counts.items():
+            require_positive_int(f"data.{key}", value, minimum=minimum)
+        if val_urls is None:  # else val_shards is not used
+            require_positive_int("data.val_shards", val_shards)
+        require_positive_int("data.max_pixels", max_pixels, allow_none=True)
+        require("data.timeout_s", timeout_s, lambda v: isinstance(v, int | float) and v > 0, "a number of seconds > 0")
         self.urls, self.val_urls, self.val_shards = urls, val_urls, val_shards
         self.image_size, self.channels = image_size, channels
         self.batch_size, self.num_workers = batch_size, num_workers
         self.epoch_length, self.shuffle_buffer, self.seed, self.on_error = epoch_length, shuffle_buffer, seed, on_error
-        self.num_classes, self.hflip = num_classes, hflip
+        self.num_classes, self.hflip, self.max_pixels, self.timeout_s = num_classes, hflip, max_pixels, timeout_s
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.train_set: ShardStream | None = None
         self.val_set: ShardStream | None = None
@@ -166,15 +191,23 @@ class WebDataModule(ScaleOnDevice):
 
     def setup(self, stage: str | None = None) -> None:
         train, val = self.split_urls()
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        shape = RunShape.of(self.trainer)
+        rank, world = shape.rank, shape.world_size
         per_rank = self.epoch_length // (self.batch_size * world)
-        if per_rank < 1:
-            raise ValueError(
-                f"data.epoch_length={self.epoch_length} is less than one batch per device "
-                f"({self.batch_size} x {world} devices); raise data.epoch_length"
-            )
+        if stage in (None, "fit"):
+            source = f"data.epoch_length={self.epoch_length} samples" + (
+                f" split over {shape.processes()}" if world > 1 else "")  # fmt: skip
+
+            def fix(needed: int) -> str:
+                fits = self.epoch_length // (needed * world)  # the largest batch size that gives `needed` batches
+                lower = f" or lower data.batch_size to at most {fits}" if fits else ""
+                return f"raise data.epoch_length to at least {needed * self.batch_size * world}{lower}"
+
+            check_training_batches(batches=per_rank, shape=shape, source=source, batch_size=self.batch_size,
+                                   fix_more=fix)  # fmt: skip
         common = dict(image_size=self.image_size, channels=self.channels, batch_size=self.batch_size,
-                      seed=self.seed, on_error=self.on_error, rank=rank, world_size=world)  # fmt: skip
+                      seed=self.seed, on_error=self.on_error, rank=rank, world_size=world,
+                      max_pixels=self.max_pixels, timeout_s=self.timeout_s)  # fmt: skip
         self.train_set = ShardStream(train, batches_per_epoch=per_rank, shuffle_buffer=self.shuffle_buffer, **common)
         self.val_set = ShardStream(val, batches_per_epoch=None, **common)
 

@@ -1,0 +1,141 @@
+"""A run never overwrites another run's results: who may write into a run folder.
+
+A folder holds a run when it has any of RUN_FILES (Hydra's own `.hydra/` and `<job>.log` do not count: Hydra
+writes them before `train()` starts). Starting into such a folder is refused before anything is written, naming
+the resume (`ckpt_path=<folder>/checkpoints/last.ckpt`) and a new `hydra.run.dir`, unless
+
+- the run resumes in place: its checkpoint lies inside that folder (`ckpt_path=<folder>/...`, `resume_dir`, a
+  requeued SLURM job's `hpc_ckpt_*.ckpt`); it then continues the run, reusing the checkpoint names;
+- `overwrite=true`: the old run's files first move into `<folder>/replaced-<time>/` (nothing is deleted).
+
+`RunFolderGuard` (a Hydra callback, conf/train.yaml) applies the rule before Hydra writes `.hydra/` into the
+folder (Hydra turns a callback's exception into a warning, so a refusal there is a SystemExit); `train()` applies
+it again, to runs started without Hydra, to multirun jobs, and to checkpoint folders outside the run folder. A
+sweep folder (`hydra.sweep.dir`) that holds an earlier sweep is refused, or moved aside, the same way.
+Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed.
+"""
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+RUN_FILES = ("config.yaml", "resume_diff.yaml", "result.json", "ema.pt", "ema.safetensors", "checkpoints", "samples",
+             "csv", "tensorboard", "wandb", "lr_find.*", "hpc_ckpt_*.ckpt")  # fmt: skip
+SWEEP_FILES = ("summary.csv", "*/" + "result.json", *(f"*/{name}" for name in RUN_FILES))  # job folders inside
+CHECKPOINT_FILES = ("*.ckpt",)  # a checkpoint folder outside the run folder
+REPLACED = "replaced-"  # prefix of the folders that old runs move into
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")  # torchrun, Lightning, SLURM
+
+
+class RunFolderTaken(FileExistsError):
+    """The run folder holds another run's results, and this run neither resumes it nor may replace it."""
+
+
+def first_process() -> bool:
+    """True unless a launcher (torchrun, Lightning's DDP children, srun) says this is not the first process."""
+    return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
+
+
+def held(folder: Path, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
+    """The names in `folder` (relative) matching `patterns`, outside the replaced-* folders."""
+    if not folder.is_dir():
+        return []
+    found = {str(p.relative_to(folder)) for pattern in patterns for p in folder.glob(pattern)}
+    return sorted(name for name in found if not name.startswith(REPLACED))
+
+
+def inside(path: Path | None, folder: Path) -> bool:
+    return path is not None and path.resolve().is_relative_to(folder.resolve())
+
+
+def claim(
+    folder: Path,
+    *,
+    ckpt_path: Path | None,  # the checkpoint this run resumes from (resolved), or None
+    overwrite: bool,  # move an old run's files aside instead of refusing
+    patterns: tuple[str, ...] = RUN_FILES,
+    key: str = "hydra.run.dir",  # the setting that named `folder`
+    everything: bool = False,  # move every entry (Hydra has not written into the folder yet)
+) -> Path | None:
+    """Refuse, or move aside, another run's results in `folder`; the replaced-* folder if files moved."""
+    found = held(folder, patterns)
+    if not found or inside(ckpt_path, folder):
+        return None
+    if not overwrite:
+        raise RunFolderTaken(taken_message(folder, found, key))
+    names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)] if everything else found
+    return move_aside(folder, sorted({name.split("/")[0] for name in names}))
+
+
+def taken_message(folder: Path, found: list[str], key: str) -> str:
+    last = next((folder / name for name in ("checkpoints/last.ckpt", "last.ckpt") if (folder / name).is_file()), None)
+    if last is None:
+        held_ckpts = sorted(
+            p for p in folder.glob("**/*.ckpt") if not p.relative_to(folder).parts[0].startswith(REPLACED)
+        )
+        last = held_ckpts[-1] if held_ckpts else None
+    resume = f"To continue it: ckpt_path={last} (same {key}); " if last else ""
+    shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
+    return (
+        f"{key}={folder} already holds another run's results ({shown}); this run would overwrite them, so nothing "
+        f"was written. {resume}For a new run: another {key} (or leave it unset for a new timestamped folder); "
+        f"to replace it: overwrite=true (its files move to {folder}/{REPLACED}<time>/, nothing is deleted)"
+    )
+
+
+def move_aside(folder: Path, names: list[str]) -> Path:
+    """Move `names` (entries of `folder`) into a new `folder/replaced-<time>/`; returns that folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = folder / f"{REPLACED}{stamp}", 1
+    while target.exists():
+        target, n = folder / f"{REPLACED}{stamp}-{n}", n + 1
+    target.mkdir()
+    for name in names:
+        if (folder / name).exists():
+            shutil.move(folder / name, target / name)
+    print(f"overwrite=true: moved the previous run's {', '.join(names)} into {target}", file=sys.stderr)
+    return target
+
+
+def claim_run(output_dir: Path, *, ckpt_path: Path | None, overwrite: bool, checkpoint_dirs: list[Path] = ()) -> None:
+    """The rule for a `train()` run: its folder, and checkpoint folders outside it (first process only)."""
+    if not first_process():
+        return
+    claim(output_dir, ckpt_path=ckpt_path, overwrite=overwrite)
+    for folder in checkpoint_dirs:
+        if not inside(folder, output_dir):
+            claim(folder, ckpt_path=ckpt_path, overwrite=overwrite, patterns=CHECKPOINT_FILES,
+                  key="callbacks.checkpoint.dirpath")  # fmt: skip
+
+
+class RunFolderGuard(Callback):
+    """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if first_process():
+            self._claim(Path(config.hydra.run.dir), config, RUN_FILES, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if first_process():
+            self._claim(Path(config.hydra.sweep.dir), config, SWEEP_FILES, "hydra.sweep.dir")
+
+    @staticmethod
+    def _claim(folder: Path, config: DictConfig, patterns: tuple[str, ...], key: str) -> None:
+        from ddpm.resume import resolve_ckpt_path
+
+        try:
+            ckpt = resolve_ckpt_path(config.get("ckpt_path"), resume_dir=config.get("resume_dir"), output_dir=folder)
+        except Exception:  # train() reports a bad ckpt_path; here it resumes nothing
+            ckpt = None
+        ckpt = ckpt or (folder if held(folder, ("hpc_ckpt_*.ckpt",)) else None)  # SLURM's requeue resumes in place
+        try:
+            claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key,
+                  everything=True)  # fmt: skip
+        except RunFolderTaken as refused:
+            raise SystemExit(f"Error: {refused}") from None  # Hydra would turn any Exception into a warning
