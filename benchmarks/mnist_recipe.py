@@ -1,0 +1,193 @@
+"""An MNIST recipe's quality, as docs/mnist.md reports it: per training run (seed), 500 samples per guidance weight
+with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model for the paired ratio; the floor.
+
+    python train.py experiment=mnist data.root=../shared/data/mnist seed=1 hydra.run.dir=outputs/mnist_s1  # x 3 seeds
+    python benchmarks/mnist_recipe.py --runs outputs/mnist_s1,outputs/mnist_s2,outputs/mnist_s3 --label after \
+        --guidance 0,0.5,1,1.5,2,3 --reference ddpm1000 --classifier mnist_classifier.pt
+
+- cfid@500: the classifier FID (ddpm.metrics: the classifier's penultimate features) against every MNIST image in
+  --data-root; accuracy@500: how often the classifier reads the requested label (labels 0..9 in turn, w = 0 is
+  unguided conditional sampling). Both with 95% bootstrap intervals over the 500 images.
+- floor: the same metrics on 500 real digits the classifier never saw (its held-out split,
+  ddpm.metrics.classifier.held_out_split): what a perfect generator would score at n = 500.
+- vs reference: the cfid ratio to --reference (e.g. ddpm1000, all T steps) at w = 0 on the same model, paired
+  (image i of both sets has the same label and initial noise; resampled together).
+- per weight: the mean over the runs, and the spread (min-max) of the runs' values.
+Resumable: each (run, sampler, guidance) row's features are kept in --features-dir. The JSON carries
+benchmarks/common.py's provenance. --smoke: 8 samples, 1 guidance weight, a quick classifier.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import torch
+
+from ddpm.diffusion.generate import class_cycle, generate
+from ddpm.diffusion.samplers.ddim import DDIMSampler
+from ddpm.diffusion.samplers.ddpm import DDPMSampler
+from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
+from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, paired_ratio, resample_weights
+from ddpm.metrics.classifier import classifier_file, held_out_split
+from ddpm.metrics.features import classifier_extractor
+from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
+from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
+from ddpm.weights import load_model
+
+SAMPLERS = {  # name -> a sampler of sample.py's config groups
+    "dpm++sde25": lambda: DPMSolverSDESampler(steps=25),
+    "dpm++sde20": lambda: DPMSolverSDESampler(steps=20),
+    "ddpm250": lambda: DDPMSampler(steps=250),
+    "ddpm1000": lambda: DDPMSampler(steps=None),
+    "ddim50": lambda: DDIMSampler(steps=50),
+    "ddim4": lambda: DDIMSampler(steps=4),
+}
+SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "ddim50", "sampler": "ddim4"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", required=True, help="comma-separated run folders (their ema.pt) or weights files")
+    p.add_argument("--label", default="recipe", help="the recipe's name in the JSON and the table")
+    p.add_argument("--sampler", default="dpm++sde25", choices=sorted(SAMPLERS), help="the sampler of every row")
+    p.add_argument("--guidance", default="0", help="comma-separated guidance weights")
+    p.add_argument("--reference", default="none", help="a sampler of SAMPLERS at w = 0 for the paired ratio, or none")
+    p.add_argument("--num-samples", type=int, default=500)
+    p.add_argument("--resamples", type=int, default=400, help="bootstrap resamples per interval")
+    p.add_argument("--classifier", type=Path, help="TorchScript classifier; default: trained here (mnist_quality.py)")
+    p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX folder")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
+    p.add_argument("--features-dir", type=Path, help="each row's features (resume); default outputs/recipe_features")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_arguments(p, repeats=None)
+    return p
+
+
+def weights_file(run: str) -> Path:
+    path = Path(run)
+    return path / "ema.pt" if path.is_dir() else path
+
+
+def draw(path: Path, sampler: str, guidance: float, args: argparse.Namespace, device: torch.device) -> dict:
+    """The N images of one row (same labels and seeds in every row) and the seconds they took."""
+    loaded = load_model(path, device)
+    net = loaded.net.to(memory_format=torch.channels_last)
+    labels = class_cycle(args.num_samples, net.num_classes) if net.num_classes is not None else None
+    began = time.perf_counter()
+    out = generate(net=net, betas=loaded.diffusion.betas64(), prediction=loaded.diffusion.prediction,
+                   sampler=SAMPLERS[sampler](), image_shape=(net.in_channels, net.image_size, net.image_size),
+                   num_samples=args.num_samples, labels=labels, null_class=net.num_classes, guidance=guidance,
+                   seed=args.seed, batch_size=default_batch_size(device, guided=guidance != 0), device=device,
+                   precision=resolve_sampling_precision("auto", device))  # fmt: skip
+    return {"images": out.images, "labels": labels, "nfe": out.nfe, "seconds": time.perf_counter() - began}
+
+
+def scored(extractor, terms: Reference, images: torch.Tensor, labels, weights, file: Path, extra: dict) -> tuple:
+    """(SetStatistics, bootstrap intervals) of a set of images, its features kept in `file`."""
+    if not file.is_file():
+        features, logits = extractor(images)
+        torch.save({"features": features, "logits": logits, "labels": labels, **extra}, file)
+    saved = torch.load(file, weights_only=True)
+    stats = SetStatistics(terms, saved["features"], logits=saved["logits"], labels=saved["labels"])
+    return stats, {k: v.as_dict() for k, v in bootstrap(stats, weights).items()}, saved
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    run = common.start(__file__, parser(), argv, smoke=SMOKE)
+    args, device = run.args, run.device
+    runs = [weights_file(r) for r in args.runs.split(",")]
+    guidances = [float(g) for g in args.guidance.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        features_dir = args.features_dir or (Path(tmp) if args.smoke else common.REPO / "outputs/recipe_features")
+        features_dir.mkdir(parents=True, exist_ok=True)
+        source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+        path = args.classifier or classifier_file(
+            Path(tmp) / "classifier.pt" if args.smoke else common.RESULTS / "mnist_classifier.pt",
+            source=source, limit=1000 if args.smoke else None, epochs=1 if args.smoke else 4)  # fmt: skip
+        extractor = classifier_extractor(path).to(device)
+        cache = tmp if args.smoke and args.cache_dir == DEFAULT_CACHE_DIR else args.cache_dir  # smoke: no cache files
+        reference = reference_stats(source, image_size=32, channels=1, extractor=extractor, cache_dir=cache)
+        terms, weights = Reference.of(reference), resample_weights(args.num_samples, args.resamples, seed=args.seed)
+        data = source.load(image_size=32, channels=1)
+        held = held_out_split(len(data.images))[0][: args.num_samples]
+        _, floor, _ = scored(extractor, terms, data.images[held], data.labels[held], weights,
+                             features_dir / f"floor_{extractor.name}_{args.num_samples}.pt", {})  # fmt: skip
+        rows = []
+        for path in runs:
+            tag = f"{path.parent.name}_{path.stat().st_size}"
+            base = None
+            if args.reference != "none":
+                row = measure_row(path, args.reference, 0.0, args, device, extractor, terms, weights, features_dir, tag)
+                base = row.pop("stats")
+                rows.append(row)
+            for g in guidances:
+                row = measure_row(path, args.sampler, g, args, device, extractor, terms, weights, features_dir, tag)
+                stats = row.pop("stats")
+                if base is not None and g == 0:
+                    row["vs_reference"] = paired_ratio(stats, base, weights).as_dict()
+                rows.append(row)
+                print(f"{path}: {args.sampler} w={g:g} cfid {row['cfid']['value']:.2f} accuracy "
+                      f"{row['accuracy']['value']:.3f}", flush=True)  # fmt: skip
+    summary = summarise(rows, args)
+    report = {"label": args.label, "runs": [str(p) for p in runs], "sampler": args.sampler, "reference": args.reference,
+              "num_samples": args.num_samples, "resamples": args.resamples, "classifier": extractor.name,
+              "data": data_name, "floor": floor, "rows": rows, "summary": summary}  # fmt: skip
+    run.write(report, f"mnist_recipe_{args.label}.json")
+    print(table(report))
+    return report
+
+
+def measure_row(path, sampler, guidance, args, device, extractor, terms, weights, features_dir, tag) -> dict:
+    file = features_dir / f"{tag}_{sampler}_w{guidance:g}_{args.num_samples}.pt"
+    drawn = {"images": None, "labels": None, "nfe": None, "seconds": None}
+    if not file.is_file():
+        drawn = draw(path, sampler, guidance, args, device)
+    extra = {"nfe": drawn["nfe"], "seconds": drawn["seconds"]}
+    stats, intervals, saved = scored(extractor, terms, drawn["images"], drawn["labels"], weights, file, extra)
+    return {"run": str(path), "sampler": sampler, "guidance": guidance, "nfe": saved["nfe"],
+            "seconds": saved["seconds"], **intervals, "stats": stats}  # fmt: skip
+
+
+def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Per (sampler, guidance): the mean and spread over the runs of cfid, accuracy and the paired ratio."""
+    out = []
+    for sampler, g in dict.fromkeys((r["sampler"], r["guidance"]) for r in rows):
+        group = [r for r in rows if (r["sampler"], r["guidance"]) == (sampler, g)]
+        item = {"sampler": sampler, "guidance": g, "runs": len(group)}
+        for name in ("cfid", "accuracy"):
+            item[name] = spread([r[name]["value"] for r in group])
+        if all("vs_reference" in r for r in group):
+            item["vs_reference"] = spread([r["vs_reference"]["value"] for r in group])
+            item["vs_reference_high"] = max(r["vs_reference"]["high"] for r in group)
+        out.append(item)
+    return out
+
+
+def table(report: dict) -> str:
+    floor = report["floor"]["cfid"]["value"]
+    lines = [f"| {report['label']} | NFE | w | cfid@{report['num_samples']} mean [min-max] | x floor | accuracy mean "
+             "[min-max] | vs reference mean [min-max] |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    nfe = {(r["sampler"], r["guidance"]): r["nfe"] for r in report["rows"]}
+    for s in report["summary"]:
+        c, a, ratio = s["cfid"], s["accuracy"], s.get("vs_reference")
+        versus = f"{ratio['mean']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else "-"
+        lines.append(
+            f"| {s['sampler']} | {nfe[(s['sampler'], s['guidance'])]} | {s['guidance']:g} | {c['mean']:.2f} "
+            f"[{c['min']:.2f}-{c['max']:.2f}] | {c['mean'] / floor:.2f} | {a['mean']:.3f} "
+            f"[{a['min']:.3f}-{a['max']:.3f}] | {versus} |"
+        )
+    f = report["floor"]
+    lines.append(f"| floor (real held-out digits) | | | {floor:.2f} [{f['cfid']['low']:.2f}, {f['cfid']['high']:.2f}] "
+                 f"| 1.00 | {f['accuracy']['value']:.3f} | |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
