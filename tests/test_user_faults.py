@@ -240,3 +240,20 @@ def test_a_sampler_that_produces_nan_stops_instead_of_writing_black_images() -> 
 
 def test_write_error_is_an_oserror_for_callers_that_catch_those() -> None:
     assert issubclass(WriteError, OSError) and os.strerror(28)
+
+
+# --- 7 (sibling). sample.py never writes over another call's images -------------------------------------------
+
+
+@pytest.mark.slow
+def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "samples"
+    train(*TINY_RUN, "trainer.max_steps=2", f"hydra.run.dir={run}")
+    sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"hydra.run.dir={out}")
+    first = (out / "samples.npz").read_bytes()
+    refused = sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"hydra.run.dir={out}", check=False)
+    assert refused.returncode != 0 and "output_dir=" in refused.stderr and "overwrite=true" in refused.stderr
+    assert (out / "samples.npz").read_bytes() == first  # untouched
+    sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"hydra.run.dir={out}", "overwrite=true")
+    (moved,) = out.glob("replaced-*")
+    assert (moved / "samples.npz").read_bytes() == first and (out / "samples.npz").read_bytes() != first

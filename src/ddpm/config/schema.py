@@ -123,6 +123,7 @@ SAMPLE_KEYS: dict[str, Any] = {  # conf/sample.yaml's own keys
     "compile": bool,
     "device": str,
     "output_dir": str,
+    "overwrite": bool,
     "sampler": Node,
     "metrics": TypedDict(
         "Metrics",

@@ -20,10 +20,13 @@ from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.metrics.sharding import init_from_env, world
+from ddpm.run_dir import claim
 from ddpm.sampling.runtime import check_guidance, default_batch_size, resolve_device, resolve_sampling_precision
 from ddpm.weights import load_model
 from ddpm.weights.atomic import atomic_write, atomic_write_text
 from ddpm.weights.model import instantiate_local
+
+SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
 
 
 def requested_labels(labels: int | list[int] | None, num_samples: int, num_classes: int | None) -> Tensor | None:
@@ -105,6 +108,9 @@ def sample(cfg: DictConfig) -> Generated:
         )
     if cfg.num_samples <= 0:
         raise ValueError(f"num_samples={cfg.num_samples} must be > 0")
+    if world()[0] == 0:  # before any work: never over another call's images (ddpm.run_dir's rule)
+        claim(Path(cfg.output_dir), ckpt_path=None, overwrite=bool(cfg.get("overwrite", False)), patterns=SAMPLE_FILES,
+              key="output_dir")  # fmt: skip
     created = init_from_env()
     try:
         return _sample(cfg)
