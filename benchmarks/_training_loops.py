@@ -38,6 +38,7 @@ class Row:
     compile: bool = False
     channels_last: bool = False
     fused_attention: bool = True
+    net: str = "ours"  # ours | diffusers (model=diffusers_unet2d: UNet2DModel with the same arguments and weights)
 
 
 class TensorSource:

@@ -93,6 +93,8 @@ ROWS = {
     "ram_bf16_channels_last": Row("bare", precision="bf16", channels_last=True),
     "ram_bf16_math_attn": Row("bare", precision="bf16", fused_attention=False),
     "full": Row("bare", precision="bf16", batch_mult=4, compile=True, channels_last=True),
+    "ram_fp32_diffusers": Row("bare", net="diffusers"),
+    "ram_bf16_diffusers": Row("bare", precision="bf16", net="diffusers"),
     "lightning_bf16": Row("lightning", data="datamodule", precision="bf16"),
     "lightning_full": Row(
         "lightning", data="datamodule", precision="bf16", batch_mult=4, compile=True, channels_last=True
@@ -128,12 +130,25 @@ def load_images(net: UNet, count: int) -> ImageSet:
     return ImageSet(data.images.repeat(repeat, 1, 1, 1)[:count], data.labels.repeat(repeat)[:count], 10)
 
 
-def run_row(row: Row, base: UNet, data: ImageSet, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def diffusers_twin(base: UNet, arguments: dict[str, Any]) -> torch.nn.Module:
+    """model=diffusers_unet2d with `base`'s arguments and weights (ddpm.weights.unet2d_mapping): the same network, as
+    diffusers' UNet2DModel computes it (same parameters and outputs to float rounding)."""
+    from ddpm.models.diffusers_unet import DiffusersUNet2D
+    from ddpm.weights.unet2d_mapping import to_unet2d_state
+
+    twin = DiffusersUNet2D(**arguments)
+    twin.unet.load_state_dict(to_unet2d_state(base.state_dict(), arguments))
+    return twin
+
+
+def run_row(
+    row: Row, base: UNet, data: ImageSet, args: argparse.Namespace, device: torch.device, twin: Any = None
+) -> dict[str, Any]:
     """One timed run of `row`: step, wait and first-step seconds (and the paired overhead of paired_fp32)."""
     batch = args.batch_size * row.batch_mult
     torch.manual_seed(0)
     set_tf32(row.precision == "tf32")
-    net = copy.deepcopy(base).to(device)
+    net = copy.deepcopy(twin if row.net == "diffusers" else base).to(device)
     if row.runner == "bare":  # the Lightning rows compile and convert in DiffusionModule.configure_model
         net = net.to(memory_format=torch.channels_last) if row.channels_last else net
         if row.compile:
@@ -270,12 +285,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run = common.start(__file__, parser, argv, rows=ROWS, smoke=SMOKE)
     args, device, names = run.args, run.device, run.rows
     torch.manual_seed(0)
-    base: UNet = instantiate(OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml"))
+    preset = OmegaConf.to_container(OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml"))
+    base: UNet = instantiate(preset)
+    arguments = {k: v for k, v in preset.items() if k != "_target_"}
+    twin = diffusers_twin(base, arguments) if any(ROWS[n].net == "diffusers" for n in names) else None
     data = load_images(base, args.images)
     runs = common.run_interleaved(
         names,
         args.repeats,
-        lambda name, _: run_row(ROWS[name], base, data, args, device),
+        lambda name, _: run_row(ROWS[name], base, data, args, device, twin),
         lambda r: f"{r['step_s'] * 1e3:.1f} ms/step",
     )
     ips_runs = {n: [args.batch_size * ROWS[n].batch_mult / r["step_s"] for r in runs[n]] for n in names}
