@@ -62,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
     p.add_argument("--features-dir", type=Path, help="each row's features (resume); default outputs/recipe_features")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", type=Path, help="PNG: cfid and accuracy against w (runs' mean, min-max)")
     common.add_arguments(p, repeats=None)
     return p
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
               "data": data_name, "floor": floor, "rows": rows, "summary": summary}  # fmt: skip
     run.write(report, f"mnist_recipe_{args.label}.json")
     print(table(report))
+    if args.plot:
+        guidance_curve(report, args.plot)
     return report
 
 
@@ -187,6 +190,34 @@ def table(report: dict) -> str:
     lines.append(f"| floor (real held-out digits) | | | {floor:.2f} [{f['cfid']['low']:.2f}, {f['cfid']['high']:.2f}] "
                  f"| 1.00 | {f['accuracy']['value']:.3f} | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def guidance_curve(report: dict, path: Path) -> None:
+    """cfid (x floor) and accuracy against the guidance weight w, the sampler's rows: mean over runs, min-max bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = sorted((s for s in report["summary"] if s["sampler"] == report["sampler"]), key=lambda s: s["guidance"])
+    w, floor = [s["guidance"] for s in rows], report["floor"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, name, level, label in ((left, "cfid", floor["cfid"]["value"], f"cfid@{report['num_samples']}"),
+                                   (right, "accuracy", floor["accuracy"]["value"], "accuracy (as asked)")):  # fmt: skip
+        mean = [s[name]["mean"] for s in rows]
+        low = [m - s[name]["min"] for m, s in zip(mean, rows, strict=True)]
+        high = [s[name]["max"] - m for m, s in zip(mean, rows, strict=True)]
+        bars = [low, high]
+        ax.errorbar(w, mean, yerr=bars, marker="o", capsize=3, label=f"{report['label']} ({rows[0]['runs']} runs)")
+        ax.axhline(level, color="grey", linestyle="--", label="floor: 500 real held-out digits")
+        ax.set(xlabel="guidance weight w", ylabel=label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['sampler']}, {report['num_samples']} samples per point")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
