@@ -207,9 +207,10 @@ def guidance_curve(report: dict, path: Path) -> None:
         mean = [s[name]["mean"] for s in rows]
         low = [m - s[name]["min"] for m, s in zip(mean, rows, strict=True)]
         high = [s[name]["max"] - m for m, s in zip(mean, rows, strict=True)]
-        bars = [low, high]
-        ax.errorbar(w, mean, yerr=bars, marker="o", capsize=3, label=f"{report['label']} ({rows[0]['runs']} runs)")
-        ax.axhline(level, color="grey", linestyle="--", label="floor: 500 real held-out digits")
+        ax.errorbar(
+            w, mean, yerr=[low, high], marker="o", capsize=3, label=f"{report['label']} ({rows[0]['runs']} runs)"
+        )
+        ax.axhline(level, color="grey", linestyle="--", label=f"floor: {report['num_samples']} real held-out digits")
         ax.set(xlabel="guidance weight w", ylabel=label)
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['sampler']}, {report['num_samples']} samples per point")
