@@ -79,6 +79,7 @@ def draw(path: Path, sampler: str, guidance: float, args: argparse.Namespace, de
     labels = class_cycle(args.num_samples, net.num_classes) if net.num_classes is not None else None
     began = time.perf_counter()
     out = generate(net=net, betas=loaded.diffusion.betas64(), prediction=loaded.diffusion.prediction,
+                   sigma_data=loaded.diffusion.sigma_data,
                    sampler=SAMPLERS[sampler](), image_shape=(net.in_channels, net.image_size, net.image_size),
                    num_samples=args.num_samples, labels=labels, null_class=net.num_classes, guidance=guidance,
                    seed=args.seed, batch_size=default_batch_size(device, guided=guidance != 0), device=device,

@@ -99,6 +99,7 @@ def measure(net, loaded, sampler, guidance: float, args: argparse.Namespace, dev
         net=net,
         betas=diffusion.betas64(),
         prediction=diffusion.prediction,
+        sigma_data=diffusion.sigma_data,
         sampler=sampler,
         image_shape=(net.in_channels, net.image_size, net.image_size),
         num_samples=args.num_samples,

@@ -100,6 +100,7 @@ class Rows:
         shared = dict(
             betas=self.diffusion.betas64(),
             prediction=self.diffusion.prediction,
+            sigma_data=self.diffusion.sigma_data,
             sampler=SAMPLERS[args.sampler](steps=args.steps),
             image_shape=(net.in_channels, net.image_size, net.image_size),
             null_class=net.num_classes,

@@ -29,6 +29,7 @@ from ddpm.data.make_shards import write_shards
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
 from ddpm.data.webdataset import WebDataModule
+from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
@@ -146,6 +147,14 @@ def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 
 def check_diffusion(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     diffusion = instantiate(cfg.diffusion)
+    if name == "edm":  # Karras et al. 2022: levels 0.002 .. 80, sigma_data 0.5, ln sigma ~ N(-1.2, 1.2^2)
+        assert isinstance(diffusion, EDMDiffusion) and diffusion.num_timesteps == 1000
+        sigmas = diffusion.sigmas64()
+        assert sigmas[0].item() == pytest.approx(0.002) and sigmas[-1].item() == pytest.approx(80.0)
+        assert (diffusion.sigma_data, diffusion.p_mean, diffusion.p_std) == (0.5, -1.2, 1.2)
+        betas = diffusion.betas64()
+        assert torch.all(betas > 0) and torch.all(betas < 1)
+        return
     assert isinstance(diffusion, GaussianDiffusion)
     assert diffusion.schedule == name and diffusion.num_timesteps == cfg.diffusion.num_timesteps == 1000
     betas = diffusion.betas.double()

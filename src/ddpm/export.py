@@ -25,6 +25,9 @@ layers of different widths, as unet64 and seed_mnist; channel_mult[0] != 1) is w
 `["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]` (our UNet in a diffusers ModelMixin; its config our UNet's
 arguments): the command prints that it fell back and why, and loading that folder needs
 `import ddpm.weights.diffusers_adapter` first (diffusers 0.42 imports no module a model_index.json names).
+An EDM model (diffusion=edm) is always the adapter: its config holds EDM's preconditioning (edm_sigma_data and
+each timestep's sigma), the adapter applies it around our UNet and returns eps, and the scheduler's trained_betas are
+its noise levels (alpha_bar_t = 1 / (1 + sigma_t^2)), prediction_type "epsilon": the pipelines below sample it.
 
 The scheduler is our schedule exactly: `trained_betas` are our float64 betas (beta_start/end/schedule are
 written for the reader only: trained_betas takes precedence), num_train_timesteps = T, prediction_type
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> Path:
         parser.exit(1, f"python -m ddpm.export needs diffusers, which is not installed: {DIFFUSERS_EXTRA}\n")
     try:
         loaded = load_model(settings["ckpt"])
-        reason = fallback_reason(dict(loaded.config["model"]))
+        reason = fallback_reason(dict(loaded.config["model"]), dict(loaded.config["diffusion"]))
         out = export_diffusers(loaded, settings["out"])
     except (CheckpointError, FileExistsError, ValueError) as error:
         parser.exit(1, f"python -m ddpm.export: {error}\n")

@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from ddpm.callbacks.monitor import logs_this_step
+from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
@@ -23,7 +24,7 @@ class DiffusionModule(pl.LightningModule):
         self,
         *,
         net: UNet,  # the denoising network
-        diffusion: GaussianDiffusion,  # schedule and objective
+        diffusion: GaussianDiffusion | EDMDiffusion,  # schedule and objective (DDPM family or EDM)
         optim: AdamW,  # optimizer and LR schedule settings
         compile: bool = False,  # torch.compile the network in place (configure_model)
         compile_backend: str = "inductor",  # torch.compile backend (tests use "eager" / "aot_eager")

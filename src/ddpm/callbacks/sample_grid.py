@@ -52,6 +52,7 @@ def sample_with_ema(
                 net=net,
                 betas=diffusion.betas64(),
                 prediction=diffusion.prediction,
+                sigma_data=diffusion.sigma_data,
                 sampler=sampler,
                 image_shape=(net.in_channels, net.image_size, net.image_size),
                 num_samples=num_samples,

@@ -53,6 +53,12 @@ def min_snr_weight(alpha_bar_t: Tensor, prediction: Prediction, gamma: float) ->
     return clipped / ratio if prediction == "eps" else clipped / (ratio + 1)
 
 
+def drop_labels(y: Tensor, null_class: int, p_uncond: float) -> Tensor:
+    """Replace each label by `null_class` with probability p_uncond (Ho & Salimans 2022)."""
+    drop = torch.rand(y.shape, device=y.device) < p_uncond
+    return torch.where(drop, torch.full_like(y, null_class), y)
+
+
 def posterior_coefficients(betas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Coefficients of q(x_{t-1} | x_t, x_0) = N(c0_t x0 + ct_t x_t, beta_tilde_t I) (Ho et al. 2020, eq. 7).
 
@@ -73,6 +79,8 @@ def q_posterior(x0: Tensor, x_t: Tensor, t: Tensor, betas: Tensor) -> tuple[Tens
 
 class GaussianDiffusion(nn.Module):
     """Schedule buffers plus the training objective; `loss(net, x0, y)` is what a training step calls."""
+
+    sigma_data: float | None = None  # EDM's data scale (ddpm.diffusion.edm); None: the network outputs eps or v
 
     def __init__(
         self,
@@ -110,8 +118,7 @@ class GaussianDiffusion(nn.Module):
 
     def drop_labels(self, y: Tensor, null_class: int) -> Tensor:
         """Replace each label by `null_class` with probability p_uncond (Ho & Salimans 2022)."""
-        drop = torch.rand(y.shape, device=y.device) < self.p_uncond
-        return torch.where(drop, torch.full_like(y, null_class), y)
+        return drop_labels(y, null_class, self.p_uncond)
 
     def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         """What the network should output at (x_t, t): eps, or v."""

@@ -20,8 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from ddpm.diffusion.gaussian import Prediction
-from ddpm.diffusion.samplers.base import GuidedModel, Net, Precision
+from ddpm.diffusion.samplers.base import GuidedModel, Net, Output, Precision
 
 
 class Sampler(Protocol):
@@ -114,7 +113,7 @@ def generate(
     *,
     net: Net,
     betas: Tensor,
-    prediction: Prediction,
+    prediction: Output,
     sampler: Sampler,
     image_shape: tuple[int, int, int],
     num_samples: int,
@@ -130,15 +129,18 @@ def generate(
     channels_last: bool = False,
     compile: bool = False,
     compile_backend: str | Callable = "inductor",
+    sigma_data: float | None = None,
 ) -> Generated:
     """Draw `num_samples` images (indices first_index.. for seeding) in batches of `batch_size`.
 
-    labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same seed, batch
-    size and first_index give the same images. precision: 32 or bf16 (the network only, see
-    samplers.base.network_call; `auto` is decided by the caller, ddpm.sampling.runtime). channels_last: sample
-    with an NHWC copy of `net` (to_channels_last). compile: torch.compile the network (already compiled `net`s
-    are reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer; twice that
-    with guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled run.
+    labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same seed, batch size
+    and first_index give the same images. prediction and sigma_data: the run's diffusion.prediction and
+    diffusion.sigma_data (an EDM model's "edm" and its data scale; None otherwise). precision: 32 or bf16 (the
+    network only, see samplers.base.network_call; `auto` is decided by the caller, ddpm.sampling.runtime).
+    channels_last: sample with an NHWC copy of `net` (to_channels_last). compile: torch.compile the network (already
+    compiled `net`s are reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer;
+    twice that with guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled
+    run.
     """
     if num_samples <= 0:
         raise ValueError(f"num_samples={num_samples} must be > 0")
@@ -152,8 +154,9 @@ def generate(
         rows = min(batch_size, num_samples)  # fewer images than a batch: no padding up to batch_size
         net = StaticBatch(compiled, rows=rows * (2 if guided else 1))
     model = GuidedModel(
-        net=net, betas=betas, prediction=prediction, guidance=guidance, null_class=null_class, precision=precision
-    )
+        net=net, betas=betas, prediction=prediction, guidance=guidance, null_class=null_class, precision=precision,
+        sigma_data=sigma_data,
+    )  # fmt: skip
     images, began = [], time.perf_counter()
     float32 = torch.autocast(torch.device(device).type, enabled=False)  # float32 even inside a bf16 run
     for start, stop in _batches(num_samples, batch_size, first_index):

@@ -164,6 +164,7 @@ def _draw(cfg: DictConfig, net, diffusion, labels, batch_size: int, precision, c
         net=compile_network(net) if compiled else net,  # compiled once, for every batch and step
         betas=diffusion.betas64(),
         prediction=diffusion.prediction,
+        sigma_data=diffusion.sigma_data,
         sampler=instantiate(cfg.sampler),
         image_shape=(net.in_channels, net.image_size, net.image_size),
         num_samples=cfg.num_samples,

@@ -6,7 +6,11 @@ model is exported as a native UNet2DModel, diffusers_native.py). Its config is o
 `sample_size`, which diffusers' pipelines read, always equal to `image_size`); its weights are the UNet's,
 under the prefix `net.`. It is called as diffusers' UNet2DModel is:
 
-    unet(sample, timestep, class_labels=None).sample      # eps or v, as the run was trained
+    unet(sample, timestep, class_labels=None).sample      # eps or v, as the run was trained; eps for EDM
+
+An EDM model (diffusion=edm) carries its preconditioning in the config (`edm_sigma_data`, and `edm_sigmas`: sigma_t
+of each timestep): the adapter calls our UNet on c_in x and turns its output F into eps (ddpm.diffusion.precond),
+so diffusers' DDPM/DDIM schedulers with the exported betas (alpha_bar_t = 1 / (1 + sigma_t^2)) sample it.
 
 `timestep` is a 0-dim tensor, a Python number or a (B,) tensor; `class_labels` (B,) int64 or None, where None
 (all that DDPMPipeline / DDIMPipeline pass) is the null class `num_classes` of a class-conditional model:
@@ -24,6 +28,7 @@ from diffusers import ConfigMixin, ModelMixin  # ModelMixin must be a name of th
 from diffusers.configuration_utils import register_to_config
 from diffusers.utils import BaseOutput
 
+from ddpm.diffusion import precond
 from ddpm.models.unet import UNet
 
 __all__ = ["ConfigMixin", "DDPMUNet2DModel", "DDPMUNet2DOutput", "ModelMixin"]
@@ -56,8 +61,14 @@ class DDPMUNet2DModel(ModelMixin, ConfigMixin):
         emb_dim: int | None = None,
         downsample: tuple[bool, ...] | None = None,
         sample_size: int | None = None,  # diffusers' name of image_size (pipelines read it); must equal it
+        edm_sigma_data: float | None = None,  # an EDM model's sigma_data (None: the network outputs eps or v)
+        edm_sigmas: list[float] | None = None,  # an EDM model's sigma_t, t = 0..T-1
     ) -> None:
         super().__init__()
+        if (edm_sigma_data is None) != (edm_sigmas is None):
+            raise ValueError("edm_sigma_data and edm_sigmas come together (an EDM model) or not at all")
+        sigmas = torch.tensor(edm_sigmas or [], dtype=torch.float64)
+        self.register_buffer("sigma_table", sigmas, persistent=False)  # from the config, not the weights
         if sample_size is not None and sample_size != image_size:
             raise ValueError(f"sample_size={sample_size} must equal image_size={image_size} (H = W of the images)")
         self.register_to_config(sample_size=image_size)
@@ -100,5 +111,13 @@ class DDPMUNet2DModel(ModelMixin, ConfigMixin):
             class_labels = torch.as_tensor(class_labels, device=sample.device).long()
             if class_labels.ndim == 0:
                 class_labels = class_labels.expand(sample.shape[0])
-        out = self.net(sample, t, class_labels)
+        out = self._edm(sample, t, class_labels) if self.config.edm_sigma_data else self.net(sample, t, class_labels)
         return DDPMUNet2DOutput(sample=out) if return_dict else (out,)
+
+    def _edm(self, sample: torch.Tensor, t: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
+        """eps of an EDM model: F at c_in x, then eps = (x - c_skip x - c_out F) / sigma (float64 coefficients)."""
+        sigma = self.sigma_table.to(sample.device)[t.long()].view(-1, 1, 1, 1)
+        scale = precond.vp_input_scale(sigma, self.config.edm_sigma_data).to(sample.dtype)
+        output = self.net(sample * scale, t, class_labels)
+        eps, _ = precond.eps_and_x0_from_f(output.double(), sample.double(), sigma, self.config.edm_sigma_data)
+        return eps.to(sample.dtype)

@@ -8,27 +8,30 @@ from typing import Any
 
 import torch
 
+from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.schedule import SCHEDULES, make_betas
 from ddpm.weights.model import CheckpointError, LoadedModel, build_model
 
 PREDICTION_TYPE = {"eps": "epsilon", "v": "v_prediction"}
 BETA_SCHEDULE = {"linear": "linear", "cosine": "squaredcos_cap_v2"}  # informative only: trained_betas wins
+EDM_SCHEDULE = "edm"  # informative beta_schedule of an EDM model (diffusers reads only trained_betas then)
 DIFFUSION_TARGET = "ddpm.diffusion.gaussian.GaussianDiffusion"
 RUN_CONFIG = "ddpm_config.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-def scheduler_config(diffusion: GaussianDiffusion) -> dict[str, Any]:
-    """DDPMScheduler arguments reproducing `diffusion` exactly: our float64 betas as trained_betas."""
+def scheduler_config(diffusion: GaussianDiffusion | EDMDiffusion) -> dict[str, Any]:
+    """DDPMScheduler arguments reproducing `diffusion` exactly: our float64 betas as trained_betas (EDM: its levels
+    as alpha_bar_t = 1 / (1 + sigma_t^2), with the adapter's eps)."""
     betas = diffusion.betas64()
     return dict(
         num_train_timesteps=diffusion.num_timesteps,
         trained_betas=betas.tolist(),  # float64 values; JSON keeps them exactly
         beta_start=float(betas[0]),
         beta_end=float(betas[-1]),
-        beta_schedule=BETA_SCHEDULE[diffusion.schedule],
-        prediction_type=PREDICTION_TYPE[diffusion.prediction],
+        beta_schedule=BETA_SCHEDULE.get(diffusion.schedule, EDM_SCHEDULE),
+        prediction_type=PREDICTION_TYPE.get(diffusion.prediction, "epsilon"),  # EDM: the adapter returns eps
         variance_type="fixed_small",
         clip_sample=True,
         clip_sample_range=1.0,

@@ -35,6 +35,7 @@ from ddpm.weights.diffusers_native import UNET_TARGET, native_unet2d_config, wri
 from ddpm.weights.model import CheckpointError, LoadedModel
 
 ADAPTER = ["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]
+EDM_TARGET = "ddpm.diffusion.edm.EDMDiffusion"
 LEGACY_ADAPTERS = (ADAPTER, ["ddpm.diffusers_adapter", "DDPMUNet2DModel"])  # folders exported before the move
 # UNet arguments that describe the network (checkpoint_activations is a training-time switch, left out).
 UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in ("self", "checkpoint_activations")]
@@ -52,9 +53,25 @@ def unet_arguments(model_config: dict[str, Any]) -> dict[str, Any]:
     return {k: model_config[k] for k in UNET_ARGS if k in model_config}
 
 
-def fallback_reason(model_config: dict[str, Any]) -> str | None:
+EDM_REASON = (
+    "an EDM model (diffusion=edm): its preconditioning around the network (c_in, c_skip, c_out) is not part of "
+    "UNet2DModel; the adapter applies it and returns eps"
+)
+
+
+def edm_arguments(diffusion: Any) -> dict[str, Any]:
+    """The adapter's EDM preconditioning of `diffusion` (none for the DDPM family)."""
+    if diffusion.sigma_data is None:
+        return {}
+    return {"edm_sigma_data": diffusion.sigma_data, "edm_sigmas": diffusion.sigmas64().tolist()}
+
+
+def fallback_reason(model_config: dict[str, Any], diffusion_config: dict[str, Any] | None = None) -> str | None:
     """Why the model cannot be written as diffusers' UNet2DModel (None: it can); ValueError for a model that
     cannot be exported at all."""
+    if diffusion_config is not None and diffusion_config.get("_target_") == EDM_TARGET:
+        unet_arguments(model_config)  # only our UNet has the adapter
+        return EDM_REASON
     try:
         native_unet2d_config(model_config)
     except NotUNet2D as error:
@@ -69,13 +86,13 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "model_index.json").is_file())):
         raise FileExistsError(f"out={out} exists and is not an export folder; pass a new or empty folder")
     model_config = dict(loaded.config["model"])
-    if not adapter and fallback_reason(model_config) is None:
+    if not adapter and fallback_reason(model_config, dict(loaded.config["diffusion"])) is None:
         return write_native(loaded, out)
     from diffusers import DDPMPipeline, DDPMScheduler
 
     from ddpm.weights.diffusers_adapter import DDPMUNet2DModel
 
-    unet = DDPMUNet2DModel(**unet_arguments(model_config))
+    unet = DDPMUNet2DModel(**unet_arguments(model_config), **edm_arguments(loaded.diffusion))
     unet.net.load_state_dict(loaded.net.state_dict())
     scheduler = DDPMScheduler(**scheduler_config(loaded.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
@@ -100,6 +117,11 @@ def load_export(folder: str | os.PathLike, device: torch.device | str = "cpu") -
         config = read_json(folder / RUN_CONFIG, folder)
         if not isinstance(config, dict):
             raise CheckpointError(f"{folder / RUN_CONFIG} has no diffusion section; re-export")
+    elif unet_config.get("edm_sigma_data") is not None:
+        raise CheckpointError(
+            f"{folder} holds an EDM model (unet/config.json: edm_sigma_data) but lacks {RUN_CONFIG}, which names its "
+            "noise levels and training settings; re-export it with python -m ddpm.export"
+        )
     else:
         diffusion = diffusion_from_scheduler(scheduler, folder)
         config = {"model": {"_target_": UNET_TARGET, **arguments}, "diffusion": diffusion}

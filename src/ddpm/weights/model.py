@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
 
@@ -27,7 +28,7 @@ class LoadedModel:
     """The EMA network (eval mode, float32) and the schedule of a run, with its config."""
 
     net: UNet
-    diffusion: GaussianDiffusion
+    diffusion: GaussianDiffusion | EDMDiffusion
     config: dict[str, Any]
 
 

@@ -4,6 +4,9 @@
 classifier-free guidance eps = (1 + w) eps_cond - w eps_uncond (Ho & Salimans 2022, eq. 6)
 computed in one batched forward of [cond; uncond].
 
+An EDM model (ddpm.diffusion.edm, prediction "edm") is called on its preconditioned input c_in x and its output F
+turned into x0 = c_skip x + c_out F (ddpm.diffusion.precond), with sigma_t in float64 from the schedule.
+
 `network_call(net, precision)` is the one place the network runs: under bf16 autocast when precision is
 "bf16" (the output cast back to float32 right after the call), untouched when it is "32". x_t, the schedule
 and every sampler update stay float32 either way.
@@ -16,10 +19,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ddpm.diffusion import precond
 from ddpm.diffusion.gaussian import Prediction, eps_and_x0
 from ddpm.diffusion.schedule import alpha_bar_from_betas
 
 Net = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+Output = Prediction | Literal["edm"]  # what a network outputs: eps, v, or EDM's F
 Precision = Literal["32", "bf16"]
 PRECISIONS = ("32", "bf16")
 
@@ -56,11 +61,15 @@ class GuidedModel:
         *,
         net: Net,  # the (EMA) network, net(x_t, t, y) -> eps or v
         betas: Tensor,  # (T,) the training schedule, float64
-        prediction: Prediction = "eps",  # what the network outputs
+        prediction: Output = "eps",  # what the network outputs: eps, v or EDM's F ("edm")
         guidance: float = 0.0,  # w of classifier-free guidance; 0 = plain conditional sampling
         null_class: int | None = None,  # index of the null label; None for an unconditional network
         precision: Precision = "32",  # "bf16": the network (only) under bf16 autocast, see network_call
+        sigma_data: float | None = None,  # the run's diffusion.sigma_data: EDM's (prediction "edm") only
     ) -> None:
+        if (prediction == "edm") != (sigma_data is not None):
+            raise ValueError(f"prediction={prediction!r} with sigma_data={sigma_data}: an EDM model (prediction 'edm') "
+                             "needs its diffusion.sigma_data, and only an EDM model takes one")  # fmt: skip
         if guidance != 0 and null_class is None:
             raise ValueError(
                 f"guidance={guidance} needs a class-conditional model, but this one is unconditional "
@@ -73,12 +82,20 @@ class GuidedModel:
         self.call = network_call(net, precision)
         self.betas = betas.double()
         self.alpha_bar = alpha_bar_from_betas(self.betas)  # (T,) float64
+        self.sigma_data = sigma_data
+        self.sigmas = ((1 - self.alpha_bar) / self.alpha_bar).sqrt()  # (T,) float64, EDM's sigma_t
         self.num_timesteps = len(betas)
         self.nfe = 0  # network forward calls so far (a batched cond+uncond call counts once)
 
     def __call__(self, x_t: Tensor, t: Tensor, y: Tensor | None) -> Denoised:
         """x_t: (B, C, H, W) float32; t: (B,) int64 timesteps of the training schedule; y: (B,) or None."""
         self.nfe += 1
+        if self.sigma_data is not None:  # EDM: sigma in float64 (1 - alpha_bar loses it in float32 near sigma_min)
+            sigma = self.sigmas.to(x_t.device)[t].view(-1, 1, 1, 1)
+            scale = precond.vp_input_scale(sigma, self.sigma_data).float()
+            output = self._guided_output(x_t * scale, t, y).float()
+            eps, x0 = precond.eps_and_x0_from_f(output.double(), x_t.double(), sigma, self.sigma_data)
+            return Denoised(eps=eps.float(), x0=x0.float())
         output = self._guided_output(x_t, t, y).float()
         a = self.alpha_bar.to(x_t.device)[t].float().view(-1, 1, 1, 1)
         eps, x0 = eps_and_x0(output, x_t, a, self.prediction)

@@ -1,0 +1,273 @@
+"""diffusion=edm (Karras et al. 2022) against closed forms and independent formulations.
+
+- Table 1: c_skip, c_out, c_in, lambda at chosen sigmas, written out by hand; lambda c_out^2 = 1; the F-form loss
+  equals lambda ||D - x0||^2 (eq. 2) computed from D directly.
+- Sec. 5 / appendix B.6: for data of standard deviation sigma_data the network input c_in x and its target both
+  have unit variance at every sigma (Monte Carlo, 200k Gaussian pixels).
+- The levels are eq. 5's grid (its closed form at the ends and an interior index), and alpha_bar = 1 / (1 + sigma^2)
+  survives betas -> cumprod (what the samplers see) to 1e-9.
+- Training noise: ln sigma of the drawn levels has mean P_mean and std P_std; nearest_level is a brute-force argmin.
+- Sampling coordinates: a network that returns the exact target F* gives back x0 and eps exactly through
+  GuidedModel's VP x_t (an independent path from the training side's x = x0 + sigma n), and it is called on c_in x.
+- The ideal denoiser of Gaussian data N(0, sigma_data^2) is D = c_skip x (F = 0); the probability-flow ODE then has
+  the closed-form solution x(sigma) = x(sigma_0) sqrt((sigma^2 + sigma_data^2) / (sigma_0^2 + sigma_data^2)): EDM's
+  Heun and DPM-Solver++ on these levels reach it.
+- Export: the adapter folder's eps equals GuidedModel's, and diffusers' DDIMPipeline draws our sampler=ddim images.
+- A real `python train.py diffusion=edm`, then sample.py and a resume that changes sigma_data (refused).
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_RUN, TINY_UNET, sample, tiny_unet, train
+
+from ddpm.diffusion import precond
+from ddpm.diffusion.edm import EDMDiffusion, edm_sigmas
+from ddpm.diffusion.generate import batch_seed, generate, to_uint8
+from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.samplers.ddim import DDIMSampler
+from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
+from ddpm.diffusion.samplers.edm import EDMSampler
+from ddpm.diffusion.schedule import alpha_bar_from_betas
+from ddpm.weights import CheckpointError, load_model
+from ddpm.weights.torch_file import export_ema
+
+SD = 0.5  # sigma_data
+
+
+def test_preconditioning_is_table_1():
+    sigma = torch.tensor([0.002, 0.5, 1.0, 80.0], dtype=torch.float64)
+    for s, skip, out, inp in zip(
+        sigma.tolist(),
+        precond.c_skip(sigma, SD).tolist(),
+        precond.c_out(sigma, SD).tolist(),
+        precond.c_in(sigma, SD).tolist(),
+        strict=True,
+    ):
+        assert skip == pytest.approx(0.25 / (s * s + 0.25), rel=1e-12)
+        assert out == pytest.approx(s * 0.5 / math.sqrt(s * s + 0.25), rel=1e-12)
+        assert inp == pytest.approx(1 / math.sqrt(s * s + 0.25), rel=1e-12)
+    assert precond.c_skip(torch.tensor(0.5), 0.5) == pytest.approx(0.5)  # sigma = sigma_data: half skip
+    weight = precond.loss_weight(sigma, SD) * precond.c_out(sigma, SD) ** 2
+    torch.testing.assert_close(weight, torch.ones_like(sigma), rtol=1e-12, atol=0)
+
+
+def test_loss_is_lambda_weighted_denoiser_error():
+    """EDMDiffusion.loss (F form, eq. 8) equals E[lambda(sigma) ||D(x; sigma) - x0||^2] (eq. 2) with D built from F."""
+    diffusion = EDMDiffusion(num_timesteps=100)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.rand(6, 1, 8, 8, generator=g) * 2 - 1, torch.randn(6, 1, 8, 8, generator=g)
+    t = torch.tensor([0, 10, 40, 60, 90, 99])
+    net = tiny_unet().eval()
+    with torch.no_grad():
+        loss = diffusion.loss(net, x0, t, noise)
+        sigma = diffusion.sigmas64()[t].view(-1, 1, 1, 1)
+        x = x0.double() + sigma * noise.double()
+        f = net((x / (sigma**2 + SD**2).sqrt()).float(), t, None).double()
+        d = SD**2 / (sigma**2 + SD**2) * x + sigma * SD / (sigma**2 + SD**2).sqrt() * f
+        lam = (sigma**2 + SD**2) / (sigma * SD) ** 2
+        expected = (lam * (d - x0.double()) ** 2).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("sigma", [0.002, 0.1, 0.5, 2.0, 80.0])
+def test_network_input_and_target_have_unit_variance(sigma):
+    """Karras et al. sec. 5: with data of std sigma_data, Var(c_in x) = 1 and Var(F*) = 1 at every sigma."""
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(200_000, generator=g, dtype=torch.float64) * SD
+    x = x0 + sigma * torch.randn(200_000, generator=g, dtype=torch.float64)
+    s = torch.tensor(sigma, dtype=torch.float64)
+    assert (precond.c_in(s, SD) * x).var().item() == pytest.approx(1.0, abs=0.01)
+    assert precond.f_target(x0, x, s, SD).var().item() == pytest.approx(1.0, abs=0.01)
+
+
+def test_levels_are_equation_5_and_survive_the_vp_schedule():
+    diffusion = EDMDiffusion(num_timesteps=1000, sigma_min=0.002, sigma_max=80.0, rho=7.0)
+    sigmas = diffusion.sigmas64()
+    assert sigmas[0].item() == pytest.approx(0.002, rel=1e-12) and sigmas[-1].item() == pytest.approx(80.0, rel=1e-12)
+    i = 400  # eq. 5 indexes from sigma_max down: level t is step N - 1 - t
+    step = 999 - i
+    expected = (80 ** (1 / 7) + step / 999 * (0.002 ** (1 / 7) - 80 ** (1 / 7))) ** 7
+    assert sigmas[i].item() == pytest.approx(expected, rel=1e-12)
+    assert bool((sigmas[1:] > sigmas[:-1]).all())
+    alpha_bar = alpha_bar_from_betas(diffusion.betas64())  # what GuidedModel and every sampler compute
+    torch.testing.assert_close(((1 - alpha_bar) / alpha_bar).sqrt(), sigmas, rtol=1e-9, atol=0)
+    torch.testing.assert_close(edm_sigmas(5, 1.0, 2.0, 1.0), torch.tensor([1.0, 1.25, 1.5, 1.75, 2.0]).double())
+
+
+def test_training_noise_is_lognormal_and_rounds_to_the_nearest_level():
+    torch.manual_seed(0)
+    diffusion = EDMDiffusion(p_mean=-1.2, p_std=1.2)
+    t = diffusion.sample_timesteps(200_000, torch.device("cpu"))
+    log_sigma = diffusion.sigmas64()[t].log()
+    assert log_sigma.mean().item() == pytest.approx(-1.2, abs=0.02)
+    assert log_sigma.std().item() == pytest.approx(1.2, abs=0.02)
+    queries = torch.linspace(-8, 6, 1001)  # beyond both ends too: clipped to the grid
+    brute = (queries[:, None] - diffusion.log_sigmas[None]).abs().argmin(1)
+    assert torch.equal(diffusion.nearest_level(queries), brute)
+
+
+@pytest.mark.parametrize("bad", [{"sigma_min": 0.0}, {"sigma_max": 0.001}, {"sigma_data": -1.0}, {"p_std": 0.0},
+                                 {"p_uncond": 1.0}, {"num_timesteps": 1}, {"rho": 0.0}])  # fmt: skip
+def test_bad_values_name_the_key(bad):
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=f"diffusion.{key}="):
+        EDMDiffusion(**bad)
+
+
+def test_guided_model_recovers_x0_and_eps_from_the_exact_target():
+    """A network that returns F* for known (x0, n) and checks its input is c_in x: GuidedModel's VP path gives
+    back x0 and eps = n; guidance mixes F as it would mix eps."""
+    diffusion = EDMDiffusion(num_timesteps=200)
+    betas = diffusion.betas64()
+    t = torch.tensor([0, 50, 120, 199])
+    sigma = diffusion.sigmas64()[t].view(-1, 1, 1, 1)
+    g = torch.Generator().manual_seed(2)
+    x0, n = torch.rand(4, 1, 8, 8, generator=g, dtype=torch.float64) * 2 - 1, torch.randn(4, 1, 8, 8, generator=g)
+    x = x0 + sigma * n.double()
+    x_t = (x / (1 + sigma**2).sqrt()).float()  # the VP image the samplers hold
+
+    def net(inp, steps, y):
+        torch.testing.assert_close(inp.double(), x / (sigma**2 + SD**2).sqrt(), rtol=1e-5, atol=1e-6)
+        return precond.f_target(x0, x, sigma, SD).float()
+
+    out = GuidedModel(net=net, betas=betas, prediction="edm", sigma_data=SD)(x_t, t, None)
+    torch.testing.assert_close(out.x0.double(), x0, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.eps, n, rtol=0, atol=2e-3)  # (x - x0) / sigma: x0's float32 error over sigma_min
+    with pytest.raises(ValueError, match="sigma_data"):
+        GuidedModel(net=net, betas=betas, prediction="edm")
+    with pytest.raises(ValueError, match="sigma_data"):
+        GuidedModel(net=net, betas=betas, prediction="eps", sigma_data=SD)
+
+
+def ideal_gaussian_net(x, t, y):
+    """F = 0: D(x; sigma) = c_skip x, the exact denoiser of data N(0, sigma_data^2)."""
+    return torch.zeros_like(x)
+
+
+def closed_form_x0(x_T: torch.Tensor, sigma_0: float) -> torch.Tensor:
+    """x(0) of the flow from x_hat_0 = x_T sqrt(1 + sigma_0^2) (a VP x_T at sigma_0) for data N(0, sigma_data^2)."""
+    return x_T.double() * math.sqrt(1 + sigma_0**2) * SD / math.sqrt(sigma_0**2 + SD**2)
+
+
+def heun_by_hand(x: float, sigmas: list[float]) -> float:
+    """Karras alg. 1 written out in float64 for dx/dsigma = sigma x / (sigma^2 + sigma_data^2), ending at 0."""
+    f = lambda x, s: s * x / (s * s + SD * SD)  # noqa: E731
+    for a, b in zip(sigmas, [*sigmas[1:], 0.0], strict=True):
+        x_next = x + (b - a) * f(x, a)
+        x = x + (b - a) * 0.5 * (f(x, a) + f(x_next, b)) if b > 0 else x_next
+    return x
+
+
+def test_heun_is_algorithm_1_and_converges_to_the_closed_form_flow():
+    diffusion = EDMDiffusion()
+    model = GuidedModel(net=ideal_gaussian_net, betas=diffusion.betas64(), prediction="edm", sigma_data=SD)
+    x_T = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    errors = []
+    for steps in (18, 200):
+        sampler = EDMSampler(steps=steps, churn=0.0, clip_denoised=False)
+        sigmas = diffusion.sigmas64()[sampler.timesteps(model)].tolist()
+        x0 = sampler.sample(model, x_T.clamp(-0.5, 0.5), None).double()  # |x0| < 1: the final clamp is inactive
+        by_hand = heun_by_hand(math.sqrt(1 + sigmas[0] ** 2), sigmas)  # the flow is linear in x: one number
+        torch.testing.assert_close(x0, x_T.clamp(-0.5, 0.5).double() * by_hand, rtol=1e-5, atol=1e-6)
+        exact = closed_form_x0(x_T.clamp(-0.5, 0.5), sigmas[0])
+        errors.append(((x0 - exact).abs().max() / exact.abs().max()).item())
+    assert errors[1] < 1e-3 < errors[0] < 0.1  # 5% at 18 steps (35 calls), 0.04% at 200: second order
+
+
+def test_dpm_solver_on_edm_levels_converges_to_the_closed_form_flow():
+    diffusion = EDMDiffusion()
+    model = GuidedModel(net=ideal_gaussian_net, betas=diffusion.betas64(), prediction="edm", sigma_data=SD)
+    x_T = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3)).clamp(-0.5, 0.5)
+    errors = []
+    for steps in (10, 100):
+        sampler = DPMSolverSampler(steps=steps, clip_denoised=False)
+        sigma_0 = diffusion.sigmas64()[sampler.timesteps(1000)[0]].item()
+        exact = closed_form_x0(x_T, sigma_0)
+        x0 = sampler.sample(model, x_T, None).double()
+        errors.append(((x0 - exact).abs().max() / exact.abs().max()).item())
+    assert errors[1] < 2e-3 and errors[1] < errors[0] / 4
+
+
+def test_generate_draws_the_same_images_from_f_as_from_the_equivalent_eps_network():
+    """An independent second implementation: wrap the EDM network as an eps network by hand (eps = (x - D) / sigma
+    from the precond formulas) and sample it as a DDPM-family model; the images equal generate()'s EDM path."""
+    diffusion = EDMDiffusion(num_timesteps=100)
+    net = tiny_unet(num_classes=3).eval()
+    sigmas = diffusion.sigmas64()
+
+    def as_eps(x_t, t, y):
+        s = sigmas[t].view(-1, 1, 1, 1)
+        x = x_t.double() * (1 + s**2).sqrt()
+        f = net((x / (s**2 + SD**2).sqrt()).float(), t, y).double()
+        d = SD**2 / (s**2 + SD**2) * x + s * SD / (s**2 + SD**2).sqrt() * f
+        return ((x - d) / s).float()
+
+    shared = dict(betas=diffusion.betas64(), sampler=DDIMSampler(steps=8), image_shape=(1, 8, 8), num_samples=6,
+                  labels=torch.arange(6) % 3, null_class=3, guidance=1.5, seed=4, batch_size=6)  # fmt: skip
+    with torch.no_grad():
+        ours = generate(net=net, prediction="edm", sigma_data=SD, **shared).images
+        theirs = generate(net=as_eps, prediction="eps", **shared).images
+    assert (ours.int() - theirs.int()).abs().max() <= 1
+    assert ((ours > 0) & (ours < 255)).float().mean() > 0.1  # not saturated: the comparison means something
+
+
+def edm_run(folder, num_classes=3):
+    model = {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, "num_classes": num_classes}
+    model |= {key: list(model[key]) for key in ("channel_mult", "attention_resolutions")}
+    config = {"model": model, "diffusion": {"_target_": "ddpm.diffusion.edm.EDMDiffusion", "num_timesteps": 1000,
+                                            "sigma_data": SD, "p_uncond": 0.1}}  # fmt: skip
+    net = tiny_unet(num_classes=num_classes)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    return export_ema(folder / "ema.pt", net.state_dict(), config)
+
+
+def test_export_adapter_gives_eps_and_diffusers_ddim_draws_our_images(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    import ddpm.weights.diffusers_adapter  # noqa: F401  (diffusers finds the adapter class once imported)
+    from ddpm.weights.diffusers_folder import export_diffusers
+
+    loaded = load_model(edm_run(tmp_path))
+    folder = export_diffusers(loaded, tmp_path / "export")  # EDM: the adapter, with no adapter=True
+    pipe = diffusers.DDIMPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    model = GuidedModel(net=loaded.net, betas=loaded.diffusion.betas64(), prediction="edm", sigma_data=SD)
+    x_t, t = torch.randn(4, 1, 8, 8), torch.tensor([0, 300, 700, 999])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.unet(x_t, t).sample, model(x_t, t, None).eps, rtol=1e-4, atol=1e-4)
+    reloaded = load_model(folder)
+    assert isinstance(reloaded.diffusion, EDMDiffusion) and reloaded.diffusion.sigma_data == SD
+    pipe.save_pretrained(tmp_path / "resaved")  # diffusers' own save keeps no ddpm_config.json
+    with pytest.raises(CheckpointError, match="EDM model .* lacks ddpm_config.json"):
+        load_model(tmp_path / "resaved")
+    generator = torch.Generator().manual_seed(batch_seed(3, 0))
+    images = pipe(batch_size=4, generator=generator, num_inference_steps=10, eta=0.0, use_clipped_model_output=True,
+                  output_type="np").images  # fmt: skip
+    ours = generate(net=loaded.net, betas=loaded.diffusion.betas64(), prediction="edm", sigma_data=SD,
+                    sampler=DDIMSampler(steps=10), image_shape=(1, 8, 8), num_samples=4, seed=3,
+                    batch_size=4)  # fmt: skip
+    theirs = (images * 255).round().astype(np.uint8)
+    diff = np.abs(theirs.astype(int) - ours.images.permute(0, 2, 3, 1).numpy().astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() <= 0.005
+    assert to_uint8(torch.zeros(1)).item() == 128  # the scale both sides save in
+
+
+@pytest.mark.slow
+def test_train_sample_and_resume_with_diffusion_edm(tmp_path):
+    """A real run: train.py diffusion=edm writes ema.pt whose config is EDM's; sample.py draws from it with EDM's
+    Heun; a resume that changes diffusion.sigma_data is refused as a breaking change."""
+    run_dir = tmp_path / "run"
+    train("diffusion=edm", "model=unet_tiny", *TINY_RUN, f"hydra.run.dir={run_dir}")
+    loaded = load_model(run_dir / "ema.pt")
+    assert isinstance(loaded.diffusion, EDMDiffusion) and loaded.config["diffusion"]["sigma_data"] == SD
+    result = sample(f"ckpt={run_dir / 'ema.pt'}", "sampler=edm", "sampler.steps=3", "num_samples=4",
+                    f"output_dir={tmp_path / 'samples'}")  # fmt: skip
+    assert (tmp_path / "samples" / "samples.npz").is_file(), result.stdout
+    resumed = train("diffusion=edm", "model=unet_tiny", *TINY_RUN, "trainer.max_steps=9", "diffusion.sigma_data=0.3",
+                    f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={tmp_path / 'r'}",
+                    check=False)  # fmt: skip
+    assert resumed.returncode != 0 and "diffusion.sigma_data" in resumed.stderr + resumed.stdout
