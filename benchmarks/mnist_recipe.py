@@ -12,6 +12,8 @@ with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model fo
   ddpm.metrics.classifier.held_out_split): what a perfect generator would score at n = 500.
 - vs reference: the cfid ratio to --reference (e.g. ddpm1000, all T steps) at w = 0 on the same model, paired
   (image i of both sets has the same label and initial noise; resampled together).
+- vs baseline: with --baseline (another recipe's runs, paired with --runs in order: the same seed), the cfid ratio
+  of each run to its baseline run at every weight, paired the same way: before/after at equal compute.
 - per weight: the mean over the runs, and the spread (min-max) of the runs' values.
 Resumable: each (run, sampler, guidance) row's features are kept in --features-dir. The JSON carries
 benchmarks/common.py's provenance. --smoke: 8 samples, 1 guidance weight, a quick classifier.
@@ -55,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampler", default="dpm++sde25", choices=sorted(SAMPLERS), help="the sampler of every row")
     p.add_argument("--guidance", default="0", help="comma-separated guidance weights")
     p.add_argument("--reference", default="none", help="a sampler of SAMPLERS at w = 0 for the paired ratio, or none")
+    p.add_argument("--baseline", help="comma-separated runs of the recipe to compare with, paired with --runs")
     p.add_argument("--num-samples", type=int, default=500)
     p.add_argument("--resamples", type=int, default=400, help="bootstrap resamples per interval")
     p.add_argument("--classifier", type=Path, help="TorchScript classifier; default: trained here (mnist_quality.py)")
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     run = common.start(__file__, parser(), argv, smoke=SMOKE)
     args, device = run.args, run.device
     runs = [weights_file(r) for r in args.runs.split(",")]
+    baselines = [weights_file(r) for r in args.baseline.split(",")] if args.baseline else []
+    if baselines and len(baselines) != len(runs):
+        raise SystemExit(f"--baseline names {len(baselines)} runs, --runs {len(runs)}: pair them one to one (seeds)")
     guidances = [float(g) for g in args.guidance.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         features_dir = args.features_dir or (Path(tmp) if args.smoke else common.REPO / "outputs/recipe_features")
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         _, floor, _ = scored(extractor, terms, data.images[held], data.labels[held], weights,
                              features_dir / f"floor_{extractor.name}_{args.num_samples}.pt", {})  # fmt: skip
         rows = []
-        for path in runs:
+        for i, path in enumerate(runs):
             tag = f"{path.parent.name}_{path.stat().st_size}"
             base = None
             if args.reference != "none":
@@ -134,11 +140,18 @@ def main(argv: list[str] | None = None) -> dict:
                 stats = row.pop("stats")
                 if base is not None and g == 0:
                     row["vs_reference"] = paired_ratio(stats, base, weights).as_dict()
+                if baselines:
+                    other = baselines[i]
+                    before = measure_row(other, args.sampler, g, args, device, extractor, terms, weights, features_dir,
+                                         f"{other.parent.name}_{other.stat().st_size}")  # fmt: skip
+                    row["baseline"] = str(other)
+                    row["vs_baseline"] = paired_ratio(stats, before["stats"], weights).as_dict()
                 rows.append(row)
                 print(f"{path}: {args.sampler} w={g:g} cfid {row['cfid']['value']:.2f} accuracy "
                       f"{row['accuracy']['value']:.3f}", flush=True)  # fmt: skip
     summary = summarise(rows, args)
-    report = {"label": args.label, "runs": [str(p) for p in runs], "sampler": args.sampler, "reference": args.reference,
+    report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
+              "sampler": args.sampler, "reference": args.reference,
               "num_samples": args.num_samples, "resamples": args.resamples, "classifier": extractor.name,
               "data": data_name, "floor": floor, "rows": rows, "summary": summary}  # fmt: skip
     run.write(report, f"mnist_recipe_{args.label}.json")
@@ -155,6 +168,8 @@ def measure_row(path, sampler, guidance, args, device, extractor, terms, weights
         drawn = draw(path, sampler, guidance, args, device)
     extra = {"nfe": drawn["nfe"], "seconds": drawn["seconds"]}
     stats, intervals, saved = scored(extractor, terms, drawn["images"], drawn["labels"], weights, file, extra)
+    if "accuracy" not in intervals:
+        raise SystemExit(f"{path}: an unconditional model; mnist_recipe.py scores class-conditional runs (accuracy)")
     return {"run": str(path), "sampler": sampler, "guidance": guidance, "nfe": saved["nfe"],
             "seconds": saved["seconds"], **intervals, "stats": stats}  # fmt: skip
 
@@ -167,9 +182,10 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
         item = {"sampler": sampler, "guidance": g, "runs": len(group)}
         for name in ("cfid", "accuracy"):
             item[name] = spread([r[name]["value"] for r in group])
-        if all("vs_reference" in r for r in group):
-            item["vs_reference"] = spread([r["vs_reference"]["value"] for r in group])
-            item["vs_reference_high"] = max(r["vs_reference"]["high"] for r in group)
+        for key in ("vs_reference", "vs_baseline"):
+            if all(key in r for r in group):
+                item[key] = spread([r[key]["value"] for r in group])
+                item[f"{key}_high"] = max(r[key]["high"] for r in group)
         out.append(item)
     return out
 
@@ -177,20 +193,25 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def table(report: dict) -> str:
     floor = report["floor"]["cfid"]["value"]
     lines = [f"| {report['label']} | NFE | w | cfid@{report['num_samples']} mean [min-max] | x floor | accuracy mean "
-             "[min-max] | vs reference mean [min-max] |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "[min-max] | vs reference mean [min-max] | vs baseline mean [min-max] |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     nfe = {(r["sampler"], r["guidance"]): r["nfe"] for r in report["rows"]}
     for s in report["summary"]:
-        c, a, ratio = s["cfid"], s["accuracy"], s.get("vs_reference")
-        versus = f"{ratio['mean']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else "-"
+        c, a = s["cfid"], s["accuracy"]
+        versus, baseline = (_ratio(s.get(key)) for key in ("vs_reference", "vs_baseline"))
         lines.append(
             f"| {s['sampler']} | {nfe[(s['sampler'], s['guidance'])]} | {s['guidance']:g} | {c['mean']:.2f} "
             f"[{c['min']:.2f}-{c['max']:.2f}] | {c['mean'] / floor:.2f} | {a['mean']:.3f} "
-            f"[{a['min']:.3f}-{a['max']:.3f}] | {versus} |"
+            f"[{a['min']:.3f}-{a['max']:.3f}] | {versus} | {baseline} |"
         )
     f = report["floor"]
     lines.append(f"| floor (real held-out digits) | | | {floor:.2f} [{f['cfid']['low']:.2f}, {f['cfid']['high']:.2f}] "
-                 f"| 1.00 | {f['accuracy']['value']:.3f} | |")  # fmt: skip
+                 f"| 1.00 | {f['accuracy']['value']:.3f} | | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _ratio(ratio: dict | None) -> str:
+    return f"{ratio['mean']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else "-"
 
 
 def guidance_curve(report: dict, path: Path) -> None:
