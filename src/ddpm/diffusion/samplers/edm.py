@@ -5,6 +5,8 @@ As EDM's own code runs its discrete iDDPM models (generate.py, networks.py: iDDP
 sampler works in x_hat = x_t / sqrt(alpha_bar_t) = x0 + sigma eps with sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t),
 and every sigma at which the network runs is rounded to the nearest of the T discrete sigma_t, the network then
 called at that integer t with x_t = x_hat sqrt(alpha_bar_t). The denoiser D(x_hat; sigma_t) is the x0 prediction.
+A model trained with diffusion=edm (ddpm.diffusion.edm) has EDM's own grid as its levels (0.002 to 80, rho = 7), so
+with sigma_min/sigma_max null this is EDM's sampler on its own noise levels.
 
   grid        sigma_i = (sigma_max^(1/rho) + i / (N - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho, rounded;
               sigma_N = 0                                                                     (Karras eq. 5)
