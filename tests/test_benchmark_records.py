@@ -1,0 +1,57 @@
+"""Every committed benchmark record names a clean commit at which its script existed and was the script that ran.
+
+For each benchmarks/results/*.json not listed as provisional in docs/benchmarks.md: its `provenance` (written by
+benchmarks/common.py) says the tree was clean (no --allow-dirty, no --smoke), the commit is in this repository's
+history, and the script and benchmarks/common.py at that commit hash to the sha256 the record carries: the
+record was produced by exactly the code that commit holds. The provisional list is read from the docs' table, so
+a record leaves it only by being re-measured, and a re-measured record cannot stay on it.
+"""
+
+import hashlib
+import json
+import re
+import subprocess
+
+import pytest
+from helpers import REPO
+
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs" / "benchmarks.md"
+
+
+def provisional() -> set[str]:
+    """The JSON names of docs/benchmarks.md's table of records measured before the provenance check."""
+    text = DOCS.read_text()
+    table = text[text.index("| JSON | commit it names |") :].split("\n\n", 1)[0]
+    return {name for line in table.splitlines()[2:] for name in re.findall(r"`([\w.]+\.json)`", line.split("|")[1])}
+
+
+def git(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, check=False)
+
+
+def blob_sha256(commit: str, path: str) -> str | None:
+    shown = git("show", f"{commit}:{path}")
+    return hashlib.sha256(shown.stdout).hexdigest() if shown.returncode == 0 else None
+
+
+RECORDS = sorted(p.name for p in RESULTS.glob("*.json"))
+
+
+def test_the_provisional_list_names_committed_records():
+    assert provisional() <= set(RECORDS), provisional() - set(RECORDS)
+
+
+@pytest.mark.skipif(git("rev-parse", "--is-shallow-repository").stdout.strip() == b"true", reason="shallow clone")
+@pytest.mark.parametrize("name", RECORDS)
+def test_record_names_a_clean_commit_whose_script_produced_it(name):
+    record = json.loads((RESULTS / name).read_text())
+    p = record.get("provenance")
+    if name in provisional():
+        assert not (p and p.get("dirty") is False), f"{name} was re-measured: drop it from the provisional table"
+        pytest.skip("provisional in docs/benchmarks.md: measured before the provenance check")
+    assert p, f"{name} has no provenance; re-run its command (docs/benchmarks.md) at a clean commit"
+    assert (p["dirty"], p["allow_dirty"], p["smoke"]) == (False, False, False), f"{name}: not a clean full run"
+    assert git("cat-file", "-e", f"{p['commit']}^{{commit}}").returncode == 0, f"{name}: {p['commit']} not in history"
+    assert blob_sha256(p["commit"], p["script"]) == p["script_sha256"], f"{name}: {p['script']} differs at the commit"
+    assert blob_sha256(p["commit"], "benchmarks/common.py") == p["common_sha256"], f"{name}: common.py differs"
