@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ddpm.diffusion import precond
-from ddpm.diffusion.gaussian import drop_labels
+from ddpm.diffusion.gaussian import drop_labels, weighted_mse
 from ddpm.diffusion.samplers.edm import karras_sigmas
 from ddpm.diffusion.schedule import betas_from_alpha_bar
 
@@ -59,7 +59,6 @@ class EDMDiffusion(nn.Module):
         sigmas = self.sigmas64()
         self.register_buffer("sigmas", sigmas.float(), persistent=False)
         self.register_buffer("log_sigmas", sigmas.log().float(), persistent=False)
-        self.register_buffer("alpha_bar", (1 / (1 + sigmas**2)).float(), persistent=False)
 
     def sigmas64(self) -> Tensor:
         """The T noise levels sigma_t, ascending in t: (T,) float64 on CPU."""
@@ -102,9 +101,7 @@ class EDMDiffusion(nn.Module):
         sigma = self.sigmas[t].view(-1, 1, 1, 1)
         x = x0 + sigma * noise
         output = net(precond.c_in(sigma, self.sigma_data) * x, t, y)
-        target = precond.f_target(x0, x, sigma, self.sigma_data)
-        per_sample = (output.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
-        return (self.weights(t) * per_sample).mean()
+        return weighted_mse(output, precond.f_target(x0, x, sigma, self.sigma_data), self.weights(t))
 
 
 def _check(key: str, value: object, ok: bool, rule: str) -> None:

@@ -53,6 +53,12 @@ def min_snr_weight(alpha_bar_t: Tensor, prediction: Prediction, gamma: float) ->
     return clipped / ratio if prediction == "eps" else clipped / (ratio + 1)
 
 
+def weighted_mse(output: Tensor, target: Tensor, weights: Tensor) -> Tensor:
+    """mean_i weights_i mean((output_i - target_i)^2) in float32; output, target (B, C, H, W), weights (B,)."""
+    per_sample = (output.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
+    return (weights * per_sample).mean()
+
+
 def drop_labels(y: Tensor, null_class: int, p_uncond: float) -> Tensor:
     """Replace each label by `null_class` with probability p_uncond (Ho & Salimans 2022)."""
     drop = torch.rand(y.shape, device=y.device) < p_uncond
@@ -140,6 +146,4 @@ class GaussianDiffusion(nn.Module):
     ) -> Tensor:
         """Weighted MSE between net(x_t, t, y) and the target, reduced in float32 to a scalar."""
         x_t = q_sample(x0, t, noise, self.alpha_bar)
-        output = net(x_t, t, y)
-        per_sample = (output.float() - self.target(x0, noise, t).float()).pow(2).mean(dim=(1, 2, 3))
-        return (self.weights(t) * per_sample).mean()
+        return weighted_mse(net(x_t, t, y), self.target(x0, noise, t), self.weights(t))

@@ -18,6 +18,8 @@ own discrete models (iDDPMPrecond, c_noise = M - 1 - j) and every model here. Sh
 images, e.g. (B, 1, 1, 1); sigma > 0.
 """
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 
@@ -57,3 +59,13 @@ def eps_and_x0_from_f(output: Tensor, x_t: Tensor, sigma: Tensor, sigma_data: fl
     x = x_t * (1 + sigma**2).sqrt()
     x0 = c_skip(sigma, sigma_data) * x + c_out(sigma, sigma_data) * output
     return (x - x0) / sigma, x0
+
+
+def denoise(
+    network: Callable[[Tensor], Tensor], x_t: Tensor, sigma: Tensor, sigma_data: float
+) -> tuple[Tensor, Tensor]:
+    """(eps, x0) at the VP image x_t, in x_t's dtype: `network` (F of its input, e.g. a guided call) run on c_in x,
+    the coefficients in sigma's dtype (float64 keeps sigma_min's 1 - alpha_bar)."""
+    output = network(x_t * vp_input_scale(sigma, sigma_data).to(x_t.dtype))
+    eps, x0 = eps_and_x0_from_f(output.to(sigma.dtype), x_t.to(sigma.dtype), sigma, sigma_data)
+    return eps.to(x_t.dtype), x0.to(x_t.dtype)

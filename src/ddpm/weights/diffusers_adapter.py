@@ -117,7 +117,5 @@ class DDPMUNet2DModel(ModelMixin, ConfigMixin):
     def _edm(self, sample: torch.Tensor, t: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
         """eps of an EDM model: F at c_in x, then eps = (x - c_skip x - c_out F) / sigma (float64 coefficients)."""
         sigma = self.sigma_table.to(sample.device)[t.long()].view(-1, 1, 1, 1)
-        scale = precond.vp_input_scale(sigma, self.config.edm_sigma_data).to(sample.dtype)
-        output = self.net(sample * scale, t, class_labels)
-        eps, _ = precond.eps_and_x0_from_f(output.double(), sample.double(), sigma, self.config.edm_sigma_data)
-        return eps.to(sample.dtype)
+        network = lambda x: self.net(x, t, class_labels)  # noqa: E731
+        return precond.denoise(network, sample, sigma, self.config.edm_sigma_data)[0]

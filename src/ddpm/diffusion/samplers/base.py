@@ -92,10 +92,8 @@ class GuidedModel:
         self.nfe += 1
         if self.sigma_data is not None:  # EDM: sigma in float64 (1 - alpha_bar loses it in float32 near sigma_min)
             sigma = self.sigmas.to(x_t.device)[t].view(-1, 1, 1, 1)
-            scale = precond.vp_input_scale(sigma, self.sigma_data).float()
-            output = self._guided_output(x_t * scale, t, y).float()
-            eps, x0 = precond.eps_and_x0_from_f(output.double(), x_t.double(), sigma, self.sigma_data)
-            return Denoised(eps=eps.float(), x0=x0.float())
+            eps, x0 = precond.denoise(lambda x: self._guided_output(x, t, y), x_t.float(), sigma, self.sigma_data)
+            return Denoised(eps=eps, x0=x0)
         output = self._guided_output(x_t, t, y).float()
         a = self.alpha_bar.to(x_t.device)[t].float().view(-1, 1, 1, 1)
         eps, x0 = eps_and_x0(output, x_t, a, self.prediction)
