@@ -186,12 +186,31 @@ def test_native_bf16_on_cpu_agrees_with_the_cpu_flags():
         pytest.skip(f"AVX512 without avx512_bf16: oneDNN's choice depends on its version ({sorted(flags)[:5]}...)")
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_precision_is_bf16_only_where_native(monkeypatch, native):
+def test_bf16_trains_faster_on_cpu_only_with_amx_per_the_cpu_flags():
+    """Training's `auto` rule against the kernel's flags: bf16 beat float32 on an AMX Xeon (1.8x) and lost on an
+    AVX512-BF16 Xeon without AMX (0.70-0.75x), so AVX512-BF16 alone does not count."""
+    flags = cpu_flags()
+    assert precision.bf16_trains_faster("cpu") is ({"amx_tile", "amx_bf16"} <= flags)
+
+
+def use_cpu(monkeypatch, *, native: bool, amx: bool) -> None:
     monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
-    assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "32-true")
+    monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# (native bf16, AMX) -> does training's auto take bf16: AVX2-only, AVX512-BF16 without AMX, AMX
+CPUS = [(False, False, False), (True, False, False), (True, True, True)]
+
+
+@pytest.mark.parametrize(("native", "amx", "bf16"), CPUS)
+def test_auto_precision_is_bf16_only_where_it_trains_faster(monkeypatch, native, amx, bf16):
+    use_cpu(monkeypatch, native=native, amx=amx)
+    assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if bf16 else "32-true")
     for explicit in ("32-true", "16-mixed"):
         assert precision.resolve_precision(explicit, "cpu") == explicit
+    monkeypatch.setattr(precision, "native_bf16", lambda device: device == "cuda")  # an Ampere+ GPU
+    assert precision.resolve_precision("auto", "gpu") == "bf16-mixed"
 
 
 def test_explicit_bf16_on_a_cpu_without_it_warns_and_names_the_fix(monkeypatch):
@@ -211,18 +230,19 @@ def test_run_device_follows_the_accelerator(monkeypatch):
     assert precision.run_device("auto") == "cuda"
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_compile_is_on_where_measured_to_pay_off(monkeypatch, native):
-    """compile=auto: on for CUDA and for CPUs with native bf16 (1.37x per step measured), off on other CPUs;
-    experiment=mnist asks for it, and the resolved config (what config.yaml records) holds the decision."""
-    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert precision.resolve_compile("auto", "cpu") is native
+@pytest.mark.parametrize(("native", "amx", "bf16"), CPUS)
+def test_auto_compile_is_on_where_measured_to_pay_off(monkeypatch, native, amx, bf16):
+    """compile=auto: on for CUDA and for AMX CPUs (1.37x per step measured in bf16), off on other CPUs (1.00x on
+    AVX512-BF16 without AMX); experiment=mnist asks for both autos, and the resolved config (what config.yaml
+    records) holds the decisions."""
+    use_cpu(monkeypatch, native=native, amx=amx)
+    assert precision.resolve_compile("auto", "cpu") is bf16
     assert precision.resolve_compile("auto", "gpu") is True
     assert precision.resolve_compile(False, "gpu") is False and precision.resolve_compile(True, "cpu") is True
     with pytest.raises(ValueError, match=r"compile='yes' must be true, false or auto"):
         precision.resolve_compile("yes", "cpu")
     resolved = training.resolve_config(compose("train", ["experiment=mnist", "paths.output_dir=unused"]))
-    assert resolved["compile"] is native and resolved["module"]["compile"] is native
+    assert resolved["compile"] is bf16 and resolved["module"]["compile"] is bf16
+    assert resolved["trainer"]["precision"] == ("bf16-mixed" if bf16 else "32-true")
     default = training.resolve_config(compose("train", ["paths.output_dir=unused"]))
     assert default["compile"] is False and default["module"]["compile"] is False

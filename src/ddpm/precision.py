@@ -53,16 +53,33 @@ def native_bf16(device: str) -> bool:
     return False
 
 
+def cpu_amx() -> bool:
+    """Whether this CPU has AMX tiles (Xeon Sapphire Rapids and newer), the matrix units oneDNN's bf16
+    convolutions run on; AVX512-BF16 alone only has bf16 dot-product instructions."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def bf16_trains_faster(device: str) -> bool:
+    """Where bf16-mixed training was measured faster than float32, so `auto` picks it: CUDA with native bf16,
+    and CPUs with AMX. unet_mnist, one core, bare loop: bf16 1.8x and bf16 + compile 2.5x float32 on an AMX
+    Xeon (git show 9d82a62~1:benchmarks/results/throughput_unet_mnist_recipe_cpu.json), but 0.70-0.75x on an
+    AVX512-BF16 Xeon without AMX (benchmarks/results/throughput_unet_mnist_recipe_cpu.json)."""
+    if device == "cpu":
+        return native_bf16("cpu") and cpu_amx()
+    return native_bf16(device)
+
+
 def resolve_precision(precision: str | int | None, accelerator: str | None = "auto") -> str:
-    """Lightning's precision for `trainer.precision`: `auto` becomes bf16-mixed where the run's device has
-    native bf16 and 32-true elsewhere; any other value passes through (warning if bf16 would be slow)."""
+    """Lightning's precision for `trainer.precision`: `auto` becomes bf16-mixed where bf16 trains faster than
+    float32 (bf16_trains_faster: CUDA with bf16, AMX CPUs) and 32-true elsewhere; any other value passes
+    through (warning where bf16 falls back to reference kernels)."""
     name = str(precision)
     device = run_device(accelerator)
     if name in TRUE_HALF:
         dtype, mixed = ("bfloat16", "bf16-mixed") if name.startswith("bf16") else ("float16", "16-mixed")
         raise ValueError(TRUE_HALF_ERROR.format(precision=name, dtype=dtype, mixed=mixed))
     if name == "auto":
-        return "bf16-mixed" if native_bf16(device) else "32-true"
+        return "bf16-mixed" if bf16_trains_faster(device) else "32-true"
     present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later
     if name.startswith("bf16") and present and not native_bf16(device):
         detail = torch.backends.cpu.get_cpu_capability() if device == "cpu" else torch.cuda.get_device_name()
@@ -72,15 +89,16 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
 
 def resolve_compile(compile: bool | str, accelerator: str | None = "auto") -> bool:
     """`compile: auto` -> True where torch.compile (inductor) was measured to pay off for training: CUDA, and
-    CPUs with native bf16 (unet_mnist, bf16-mixed, one AVX512-BF16 core: 1.37x images/s per step; a cold compile of
-    about 2.5 min, paid back after ~600 steps: docs/benchmarks.md). False on other CPUs (not measured to pay off).
+    CPUs where `auto` trains in bf16 (AMX: bf16 + compile 1.37x bf16 eager per step on unet_mnist, a cold
+    compile of about 2.5 min paid back after ~600 steps). False on other CPUs: 1.00x on an AVX512-BF16 Xeon
+    without AMX (benchmarks/results/throughput_unet_mnist_compile_cpu.json), not measured to pay off on AVX2.
     true/false pass through."""
     if isinstance(compile, bool):
         return compile
     if str(compile).lower() != "auto":
         raise ValueError(f"compile={compile!r} must be true, false or auto")
     device = run_device(accelerator)
-    return device == "cuda" or (device == "cpu" and native_bf16("cpu"))
+    return device == "cuda" or (device == "cpu" and bf16_trains_faster("cpu"))
 
 
 def configure_precision(precision: str | int | None, *, tf32: bool = True) -> list[str]:
