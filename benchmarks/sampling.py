@@ -11,6 +11,9 @@ Rows (--rows, comma-separated; default all):
   bf16_compile    bf16 and compile, batch 256
   defaults        what sample.py now picks here: batch_size auto, precision auto, channels_last, compile false
   defaults_compile  the same with compile=true
+  fp32_batch_auto   float32, eager, NCHW at sample.py's batch (batch_size auto): the defaults' batch without the rest
+  fp32_nhwc_batch_auto  float32 and channels_last at sample.py's batch: the defaults with precision=32
+  fp32_compile_batch_auto  the same with compile=true: defaults_compile with precision=32
 
 Rows run interleaved (ABC CBA ...; --repeats, 3 by default; benchmarks/common.py): images/s is the median
 [min-max] over repeats, "vs fp32" the median [min-max] of each repeat's ratio to fp32_eager's figure in the same
@@ -66,6 +69,9 @@ ROWS = {
     "bf16_compile": Row(precision="bf16", compile=True),
     "defaults": Row(precision="auto", batch_size=None, channels_last=True),
     "defaults_compile": Row(precision="auto", compile=True, batch_size=None, channels_last=True),
+    "fp32_batch_auto": Row(batch_size=None),
+    "fp32_nhwc_batch_auto": Row(batch_size=None, channels_last=True),
+    "fp32_compile_batch_auto": Row(compile=True, batch_size=None, channels_last=True),
 }
 
 
