@@ -50,8 +50,7 @@ class Setup:
     """What every row is built with."""
 
     device: torch.device
-    bf16_train: bool  # bf16 autocast in training: where it trains faster (precision.bf16_trains_faster: CUDA, AMX)
-    bf16_sample: bool  # bf16 network calls / weights in sampling: where bf16 is native (precision.native_bf16)
+    bf16: bool  # bf16 autocast / weights: where bf16 is faster than float32 (precision.fast_bf16: CUDA, AMX CPUs)
     compile: bool
     backend: str  # torch.compile backend
     batch_size: int
@@ -62,9 +61,8 @@ class Setup:
     data: ImageSet
     source: Any  # the same images as a data source (ours: the product's RAMDataModule reads it)
 
-    def autocast(self, *, training: bool) -> Any:
-        enabled = self.bf16_train if training else self.bf16_sample
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def compiled(self, fn: Callable) -> Callable:
         return torch.compile(fn, dynamic=False, backend=self.backend) if self.compile else fn
@@ -163,7 +161,7 @@ def ours_sampler(setup: Setup, net: nn.Module) -> Callable[[Tensor], Tensor]:
 def build_ours(setup: Setup) -> Tool:
     """The product: experiment=mnist composed as train.py composes it, sized and set like every other row."""
     overrides = ["experiment=mnist", f"data.batch_size={setup.batch_size}", "paths.output_dir=unset",
-                 f"trainer.precision={'bf16-mixed' if setup.bf16_train else '32-true'}", f"compile={setup.compile}",
+                 f"trainer.precision={'bf16-mixed' if setup.bf16 else '32-true'}", f"compile={setup.compile}",
                  f"trainer.accelerator={'gpu' if setup.device.type == 'cuda' else 'cpu'}",
                  f"module.compile_backend={setup.backend}", f"module.channels_last={setup.channels_last_all}",
                  # untimed either way, so shrunk: the sanity check and the end-of-fit grid (each step's hook is timed)
@@ -184,8 +182,7 @@ def build_ours(setup: Setup) -> Tool:
 
 
 def build_ours_bare(setup: Setup) -> Tool:
-    """The same network in a bare loop: GaussianDiffusion.loss, AdamW, clip 1.0, bf16 autocast where it trains
-    faster, NHWC."""
+    """The same network in a bare loop: GaussianDiffusion.loss, AdamW, clip 1.0, bf16 autocast where faster, NHWC."""
     net = instantiate(OmegaConf.load(common.REPO / "conf/model/unet_mnist.yaml")).to(setup.device)
     net = net.to(memory_format=torch.channels_last)
     model, batches = setup.compiled(net), setup.batches()
@@ -196,7 +193,7 @@ def build_ours_bare(setup: Setup) -> Tool:
         images, labels = (t.to(setup.device) for t in next(batches))
         x0 = (images.float() / 127.5 - 1).contiguous(memory_format=torch.channels_last)
         t = diffusion.sample_timesteps(len(x0), setup.device)
-        with setup.autocast(training=True):
+        with setup.autocast():
             loss = diffusion.loss(model, x0, t, torch.randn_like(x0), diffusion.drop_labels(labels, NUM_CLASSES))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -205,7 +202,7 @@ def build_ours_bare(setup: Setup) -> Tool:
         schedule.step()
 
     options = [
-        f"train: bare loop, {'bf16 autocast' if setup.bf16_train else 'fp32'}, channels_last, AdamW, grad clip 1.0; "
+        f"train: bare loop, {'bf16 autocast' if setup.bf16 else 'fp32'}, channels_last, AdamW, grad clip 1.0; "
         "no Lightning, callbacks, EMA or logging"
     ]
     return Tool("ours_bare", count(net), forward_flops(net, setup.device), options, timed(step, setup.device), None)
@@ -232,7 +229,7 @@ def build_dd_pytorch(setup: Setup) -> Tool:
     def step() -> None:
         images, labels = next(batches)
         images = images.to(device).float().div_(255).contiguous(memory_format=layout)  # [0, 1]: it normalises itself
-        with setup.autocast(training=True):
+        with setup.autocast():
             loss = diffusion(images, classes=labels.to(device))
         loss.backward()
         nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)
@@ -242,8 +239,7 @@ def build_dd_pytorch(setup: Setup) -> Tool:
     def sample(labels: Tensor) -> Tensor:
         out = []
         for chunk in labels.split(setup.sample_batch):
-            # cond_scale: 1 + w (its update is cond - null); rescaled_phi 0: no rescaling
-            with setup.autocast(training=False):
+            with setup.autocast():  # cond_scale: 1 + w (its update is cond - null); rescaled_phi 0: no rescaling
                 out.append(
                     to_uint8(
                         sampling.sample(classes=chunk.to(device), cond_scale=1 + setup.guidance, rescaled_phi=0.0), 0.0
@@ -251,11 +247,8 @@ def build_dd_pytorch(setup: Setup) -> Tool:
                 )
         return torch.cat(out)
 
-    layout_note = ", channels_last" if setup.channels_last_all else ""
-    train, sample_in = (
-        ("bf16 autocast" if bf16 else "fp32") + layout_note for bf16 in (setup.bf16_train, setup.bf16_sample)
-    )
-    options = [f"train: {train}, Adam, grad clip 1.0", f"sample: {sample_in}, DDIM, separate cond and null calls"]
+    precision = ("bf16 autocast" if setup.bf16 else "fp32") + (", channels_last" if setup.channels_last_all else "")
+    options = [f"train: {precision}, Adam, grad clip 1.0", f"sample: {precision}, DDIM, separate cond and null calls"]
     compiled = ["torch.compile"] if setup.compile else []
     return Tool("dd_pytorch", count(unet), flops, options + compiled, timed(step, device), sample)
 
@@ -270,7 +263,7 @@ def build_diffusers(setup: Setup) -> Tool:
     unet = UNet2DModel(sample_size=IMAGE_SIZE, in_channels=CHANNELS, out_channels=CHANNELS,
                        num_class_embeds=NUM_CLASSES + 1, **DIFFUSERS_UNET).to(device)  # fmt: skip
     flops = forward_flops(lambda x, t, y: unet(x, t, class_labels=y), device)
-    dtype = torch.bfloat16 if setup.bf16_sample else torch.float32
+    dtype = torch.bfloat16 if setup.bf16 else torch.float32
     logging.set_verbosity_error()  # "modules to keep in float32: []": .to(dtype) is what torch_dtype would do
     sampling = setup.compiled(copy.deepcopy(unet).eval().to(dtype=dtype, memory_format=torch.channels_last))
     unet = unet.to(memory_format=torch.channels_last)
@@ -286,7 +279,7 @@ def build_diffusers(setup: Setup) -> Tool:
         labels = labels.to(device)
         labels = torch.where(torch.rand(labels.shape, device=device) < P_UNCOND, null, labels)  # CFG's label drop
         noise, timesteps = torch.randn_like(clean), torch.randint(0, TIMESTEPS, (clean.shape[0],), device=device)
-        with setup.autocast(training=True):
+        with setup.autocast():
             output = model(
                 noise_scheduler.add_noise(clean, noise, timesteps), timesteps, class_labels=labels, return_dict=False
             )[0]
@@ -315,7 +308,7 @@ def build_diffusers(setup: Setup) -> Tool:
         return torch.cat(out)
 
     options = [
-        f"train: {'bf16 autocast' if setup.bf16_train else 'fp32'}, channels_last, AdamW, grad clip 1.0, cosine LR",
+        f"train: {'bf16 autocast' if setup.bf16 else 'fp32'}, channels_last, AdamW, grad clip 1.0, cosine LR",
         f"sample: UNet in {str(dtype).removeprefix('torch.')}, channels_last, DDIM, one [cond; null] batch",
     ]
     compiled = ["torch.compile"] if setup.compile else []

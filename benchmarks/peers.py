@@ -13,15 +13,15 @@ MNIST (uint8 in RAM, scaled on the device inside the timed step), the same batch
               built as ddpm.training.train builds it; precision as `auto` picks it; sampling = generate with
               sample.py's defaults (precision auto, NHWC)
   ours_bare   a bare PyTorch loop over the same network (GaussianDiffusion.loss, AdamW, grad clip 1.0, bf16 autocast
-              where native, NHWC): no Lightning, no callbacks, no EMA; training only (labelled: not the product)
+              where it is faster, NHWC): no Lightning, no callbacks, no EMA; training only (labelled: not the product)
   dd_pytorch  denoising-diffusion-pytorch's classifier-free-guidance Unet(dim=26, dim_mults=(1, 2, 2)) and
-              GaussianDiffusion, Adam and grad clip 1.0 as its Trainer, bf16 autocast (its accelerate mixed
+              GaussianDiffusion, Adam and grad clip 1.0 as its Trainer, bf16 autocast where faster (its accelerate mixed
               precision); sampling = diffusion.sample(classes, cond_scale) with DDIM (--steps, eta 0)
   diffusers   UNet2DModel with unet_mnist's layout and num_class_embeds=11, DDPMScheduler, the loop of its
               train_unconditional example (AdamW, grad clip 1.0, cosine LR, bf16 autocast, channels_last); sampling =
               the DDIMScheduler loop on a doubled [cond; null] batch, the UNet in bf16 and channels_last
-Each peer runs its documented fast options, with bf16 where it pays, for every row alike: in training where
-precision.bf16_trains_faster (CUDA bf16, AMX CPUs: `auto`'s rule), in sampling where bf16 is native.
+Each peer runs its documented fast options; bf16 only where it is faster than float32, for every row alike
+(precision.fast_bf16, `auto`'s rule: CUDA bf16, AMX CPUs).
 --compile: torch.compile on every tool's network. --channels-last all: NHWC for every network and job.
 
 Guidance w = --guidance in this project's convention eps = (1 + w) eps_cond - w eps_null (cond_scale =
@@ -44,7 +44,7 @@ import torch
 from _peer_tools import BUILDERS, CHANNELS, IMAGE_SIZE, NUM_CLASSES, ROWS, TIMESTEPS, Setup, Tool
 from torch import Tensor
 
-from ddpm.precision import bf16_trains_faster, native_bf16
+from ddpm.precision import fast_bf16
 from ddpm.sampling.runtime import default_batch_size
 
 PEERS_HINT = "pip install -e '.[peers]'"
@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     source, data_name = common.mnist_or_digits(args.data_root, allow_digits=True)
     setup = Setup(
         device=device,
-        bf16_train=bf16_trains_faster(device.type),
-        bf16_sample=native_bf16(device.type),
+        bf16=fast_bf16(device.type),
         compile=args.compile,
         backend=args.compile_backend,
         batch_size=args.batch_size,
@@ -252,10 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["trainer_vs_bare"] = common.paired_ratios(
             {n: [t for t, _ in runs[n]] for n in ("ours", "ours_bare")}, "ours_bare"
         )["ours"]
-    precision = {"train": setup.bf16_train, "sample": setup.bf16_sample}
     report = {
         "data": data_name,
-        "precision": {job: "bf16" if bf16 else "32" for job, bf16 in precision.items()},
+        "precision": "bf16" if setup.bf16 else "32",
         "args": vars(args),
         "rows": results,
         "skipped": [n for n in run.rows if n not in tools],

@@ -186,11 +186,11 @@ def test_native_bf16_on_cpu_agrees_with_the_cpu_flags():
         pytest.skip(f"AVX512 without avx512_bf16: oneDNN's choice depends on its version ({sorted(flags)[:5]}...)")
 
 
-def test_bf16_trains_faster_on_cpu_only_with_amx_per_the_cpu_flags():
+def test_fast_bf16_on_cpu_only_with_amx_per_the_cpu_flags():
     """Training's `auto` rule against the kernel's flags: bf16 beat float32 on an AMX Xeon (1.8x) and lost on an
     AVX512-BF16 Xeon without AMX (0.70-0.75x), so AVX512-BF16 alone does not count."""
     flags = cpu_flags()
-    assert precision.bf16_trains_faster("cpu") is ({"amx_tile", "amx_bf16"} <= flags)
+    assert precision.fast_bf16("cpu") is ({"amx_tile", "amx_bf16"} <= flags)
 
 
 def use_cpu(monkeypatch, *, native: bool, amx: bool) -> None:

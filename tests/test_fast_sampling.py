@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from ddpm import precision
 from ddpm.diffusion.gaussian import eps_and_x0
 from ddpm.diffusion.generate import (
     StaticBatch,
@@ -31,7 +32,7 @@ from ddpm.diffusion.samplers.base import network_call
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas
-from ddpm.precision import native_bf16
+from ddpm.precision import fast_bf16
 from ddpm.sampling.run import resolve_batch_size
 from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
@@ -242,8 +243,19 @@ def test_static_batch_pads_and_chunks():
     assert rows == [4, 4, 4]
 
 
+@pytest.mark.parametrize(("native", "amx", "auto"), [(False, False, "32"), (True, False, "32"), (True, True, "bf16")])
+def test_auto_sampling_precision_is_bf16_only_where_it_is_faster(monkeypatch, native, amx, auto):
+    """AVX2-only, AVX512-BF16 without AMX (bf16 network calls ran at 0.65x float32 at sample.py's batch there), AMX:
+    training's rule (ddpm.precision.fast_bf16, checked against /proc/cpuinfo in test_compile.py); and a bf16 GPU."""
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
+    monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
+    assert resolve_sampling_precision("auto", "cpu") == auto
+    monkeypatch.setattr(precision, "native_bf16", lambda device: device == "cuda")
+    assert resolve_sampling_precision("auto", "cuda") == "bf16"
+
+
 def test_precision_and_batch_size_resolution(monkeypatch):
-    assert resolve_sampling_precision("auto", "cpu") == ("bf16" if native_bf16("cpu") else "32")
+    assert resolve_sampling_precision("auto", "cpu") == ("bf16" if fast_bf16("cpu") else "32")
     assert resolve_sampling_precision(32, "cpu") == "32" and resolve_sampling_precision("bf16", "cpu") == "bf16"
     with pytest.raises(ValueError, match="precision='fp16' must be auto, 32 or bf16"):
         resolve_sampling_precision("fp16", "cpu")

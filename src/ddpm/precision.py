@@ -59,11 +59,12 @@ def cpu_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def bf16_trains_faster(device: str) -> bool:
-    """Where bf16-mixed training was measured faster than float32, so `auto` picks it: CUDA with native bf16,
-    and CPUs with AMX. unet_mnist, one core, bare loop: bf16 1.8x and bf16 + compile 2.5x float32 on an AMX
-    Xeon (git show 9d82a62~1:benchmarks/results/throughput_unet_mnist_recipe_cpu.json), but 0.70-0.75x on an
-    AVX512-BF16 Xeon without AMX (benchmarks/results/throughput_unet_mnist_recipe_cpu.json)."""
+def fast_bf16(device: str) -> bool:
+    """Where bf16 was measured faster than float32, so `auto` picks it for training and sampling: CUDA with
+    native bf16, and CPUs with AMX. unet_mnist, one core: on an AMX Xeon bf16 trained at 1.8x float32 (bf16 +
+    compile 2.5x; git show 9d82a62~1:benchmarks/results/throughput_unet_mnist_recipe_cpu.json) and sampled at
+    2.2x; on an AVX512-BF16 Xeon without AMX it trained at 0.70-0.75x (throughput_unet_mnist_recipe_cpu.json)
+    and sampled at 0.65-0.7x of float32 at the same batch (sampling_mnist_ema_cpu.json)."""
     if device == "cpu":
         return native_bf16("cpu") and cpu_amx()
     return native_bf16(device)
@@ -71,7 +72,7 @@ def bf16_trains_faster(device: str) -> bool:
 
 def resolve_precision(precision: str | int | None, accelerator: str | None = "auto") -> str:
     """Lightning's precision for `trainer.precision`: `auto` becomes bf16-mixed where bf16 trains faster than
-    float32 (bf16_trains_faster: CUDA with bf16, AMX CPUs) and 32-true elsewhere; any other value passes
+    float32 (fast_bf16: CUDA with bf16, AMX CPUs) and 32-true elsewhere; any other value passes
     through (warning where bf16 falls back to reference kernels)."""
     name = str(precision)
     device = run_device(accelerator)
@@ -79,7 +80,7 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
         dtype, mixed = ("bfloat16", "bf16-mixed") if name.startswith("bf16") else ("float16", "16-mixed")
         raise ValueError(TRUE_HALF_ERROR.format(precision=name, dtype=dtype, mixed=mixed))
     if name == "auto":
-        return "bf16-mixed" if bf16_trains_faster(device) else "32-true"
+        return "bf16-mixed" if fast_bf16(device) else "32-true"
     present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later
     if name.startswith("bf16") and present and not native_bf16(device):
         detail = torch.backends.cpu.get_cpu_capability() if device == "cpu" else torch.cuda.get_device_name()
@@ -98,7 +99,7 @@ def resolve_compile(compile: bool | str, accelerator: str | None = "auto") -> bo
     if str(compile).lower() != "auto":
         raise ValueError(f"compile={compile!r} must be true, false or auto")
     device = run_device(accelerator)
-    return device == "cuda" or (device == "cpu" and bf16_trains_faster("cpu"))
+    return device == "cuda" or (device == "cpu" and fast_bf16("cpu"))
 
 
 def configure_precision(precision: str | int | None, *, tf32: bool = True) -> list[str]:

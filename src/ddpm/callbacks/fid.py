@@ -35,7 +35,7 @@ class FID(Callback):
         seed: int = 0,  # same noise every evaluation, so values are comparable across steps
         batch_size: int = 250,  # images per sampling (and feature) batch on each rank
         cache_dir: str = DEFAULT_CACHE_DIR,  # where the training-set statistics are cached
-        precision: str | int = "auto",  # the network's: auto (bf16 where native), 32 or bf16; x_t stays float32
+        precision: str | int = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
     ) -> None:
         if every_n_steps < 1 or num_samples < 2:
             raise ValueError(

@@ -80,7 +80,7 @@ class SampleGrid(Callback):
         guidance: float = 0.0,  # classifier-free guidance weight for conditional models
         seed: int = 0,  # same seed every time, so grids are comparable across steps
         at_end: bool = True,  # also save a grid when training ends
-        precision: str | int = "auto",  # the network's: auto (bf16 where native), 32 or bf16; x_t stays float32
+        precision: str | int = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
     ) -> None:
         if every_n_steps < 0 or num_samples < 1:
             raise ValueError(

@@ -5,8 +5,8 @@ by the caller (ddpm.sampling.runtime); here each option is applied as given. Spe
 `compile=False`, `channels_last=False` is the float32 eager path):
 - precision: "32" | "bf16" -- the network under bf16 autocast (samplers.base.network_call).
 - channels_last: a copy of the network with NHWC (channels_last) weights, oneDNN's and cuDNN's fast convolution
-  layout; the convolutions then run (and return) NHWC. unet_mnist on an AVX512-BF16 CPU: ~1.3x more images/s in bf16
-  and in float32 (benchmarks/sampling.py).
+  layout; the convolutions then run (and return) NHWC. unet_mnist on an AVX512-BF16 CPU, float32: ~1.3x more
+  images/s (benchmarks/sampling.py).
 - compile: the network compiled once (torch.compile, dynamic=False) and always called on one batch shape:
   `StaticBatch` pads a partial batch (and the doubled [cond; uncond] batch of guidance) to the full network batch.
 """

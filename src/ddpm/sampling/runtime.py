@@ -4,8 +4,8 @@ sample.py, the training-time sample grid and FID callbacks, and the benchmarks d
 plain-torch `ddpm.diffusion.generate.generate` with concrete values:
 
 - `resolve_device("auto")`: this rank's GPU under torchrun, else cuda if available, else cpu;
-- `resolve_sampling_precision("auto", device)`: bf16 network calls where the device runs bf16 natively
-  (ddpm.precision.native_bf16: CUDA with bf16, AVX512-BF16/AMX CPUs), else float32;
+- `resolve_sampling_precision("auto", device)`: bf16 network calls where bf16 was measured faster than float32
+  (ddpm.precision.fast_bf16: CUDA with bf16, AMX CPUs), else float32;
 - `default_batch_size(device, guided=...)`: 256 images on a GPU; 64 network rows per call on a CPU;
 - `check_guidance(w, ...)`: refuses a guidance weight the model cannot honour, naming the key to change.
 """
@@ -16,7 +16,7 @@ import torch
 
 from ddpm.diffusion.samplers.base import PRECISIONS, Precision
 from ddpm.metrics.sharding import world
-from ddpm.precision import native_bf16
+from ddpm.precision import fast_bf16, native_bf16
 
 CPU_BATCH = 64  # network rows per call on CPU (unet_mnist: 64 ~1.7x faster per image than 256)
 GPU_BATCH = 256  # images per sampler batch on a GPU
@@ -61,12 +61,12 @@ def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float 
 def resolve_sampling_precision(
     precision: str | int, device: torch.device | str, *, key: str = "precision"
 ) -> Precision:
-    """ "auto" -> "bf16" where `device` runs bf16 natively, else "32"; "32" / "bf16" pass through (bf16 warns
-    where it is not native: slow reference kernels)."""
+    """ "auto" -> "bf16" where bf16 is faster than float32 on `device` (fast_bf16: CUDA bf16, AMX CPUs), else
+    "32"; "32" / "bf16" pass through (bf16 warns where it is not native: slow reference kernels)."""
     name = str(precision)
     device_type = torch.device(device).type
     if name == "auto":
-        return "bf16" if native_bf16(device_type) else "32"
+        return "bf16" if fast_bf16(device_type) else "32"
     if name not in PRECISIONS:
         raise ValueError(f"{key}={precision!r} must be auto, 32 or bf16")
     if name == "bf16" and not native_bf16(device_type):
