@@ -127,3 +127,19 @@ def compose(name: str = "train", overrides: Sequence[str] = (), *, return_hydra_
     """conf/<name>.yaml composed with `overrides`, as the entry point would (give paths.output_dir=...)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(name, overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+# CPU kinds for `auto` precision and compile: (native bf16, AMX, does `auto` take bf16) for an AVX2-only CPU, an
+# AVX512-BF16 CPU without AMX and an AMX CPU (ddpm.precision.fast_bf16)
+CPU_KINDS = [(False, False, False), (True, False, False), (True, True, True)]
+
+
+def use_cpu(monkeypatch: Any, *, native: bool, amx: bool) -> None:
+    """Make ddpm.precision see a CPU of this kind, and no GPU."""
+    import torch
+
+    from ddpm import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
+    monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import compose, tiny_unet
+from helpers import CPU_KINDS, compose, tiny_unet, use_cpu
 from torch._dynamo.utils import counters
 
 from ddpm import precision, training
@@ -193,17 +193,7 @@ def test_fast_bf16_on_cpu_only_with_amx_per_the_cpu_flags():
     assert precision.fast_bf16("cpu") is ({"amx_tile", "amx_bf16"} <= flags)
 
 
-def use_cpu(monkeypatch, *, native: bool, amx: bool) -> None:
-    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
-    monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-# (native bf16, AMX) -> does training's auto take bf16: AVX2-only, AVX512-BF16 without AMX, AMX
-CPUS = [(False, False, False), (True, False, False), (True, True, True)]
-
-
-@pytest.mark.parametrize(("native", "amx", "bf16"), CPUS)
+@pytest.mark.parametrize(("native", "amx", "bf16"), CPU_KINDS)
 def test_auto_precision_is_bf16_only_where_it_trains_faster(monkeypatch, native, amx, bf16):
     use_cpu(monkeypatch, native=native, amx=amx)
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if bf16 else "32-true")
@@ -230,7 +220,7 @@ def test_run_device_follows_the_accelerator(monkeypatch):
     assert precision.run_device("auto") == "cuda"
 
 
-@pytest.mark.parametrize(("native", "amx", "bf16"), CPUS)
+@pytest.mark.parametrize(("native", "amx", "bf16"), CPU_KINDS)
 def test_auto_compile_is_on_where_measured_to_pay_off(monkeypatch, native, amx, bf16):
     """compile=auto: on for CUDA and for AMX CPUs (1.37x per step measured in bf16), off on other CPUs (1.00x on
     AVX512-BF16 without AMX); experiment=mnist asks for both autos, and the resolved config (what config.yaml

@@ -12,7 +12,7 @@ batches of 4 (a partial last batch), against float32 eager on the same seed:
 import numpy as np
 import pytest
 import torch
-from helpers import CONF, TINY_RUN, compose, sample, tiny_unet, train
+from helpers import CONF, CPU_KINDS, TINY_RUN, compose, sample, tiny_unet, train, use_cpu
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -243,13 +243,12 @@ def test_static_batch_pads_and_chunks():
     assert rows == [4, 4, 4]
 
 
-@pytest.mark.parametrize(("native", "amx", "auto"), [(False, False, "32"), (True, False, "32"), (True, True, "bf16")])
-def test_auto_sampling_precision_is_bf16_only_where_it_is_faster(monkeypatch, native, amx, auto):
+@pytest.mark.parametrize(("native", "amx", "bf16"), CPU_KINDS)
+def test_auto_sampling_precision_is_bf16_only_where_it_is_faster(monkeypatch, native, amx, bf16):
     """AVX2-only, AVX512-BF16 without AMX (bf16 network calls ran at 0.65x float32 at sample.py's batch there), AMX:
     training's rule (ddpm.precision.fast_bf16, checked against /proc/cpuinfo in test_compile.py); and a bf16 GPU."""
-    monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
-    monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
-    assert resolve_sampling_precision("auto", "cpu") == auto
+    use_cpu(monkeypatch, native=native, amx=amx)
+    assert resolve_sampling_precision("auto", "cpu") == ("bf16" if bf16 else "32")
     monkeypatch.setattr(precision, "native_bf16", lambda device: device == "cuda")
     assert resolve_sampling_precision("auto", "cuda") == "bf16"
 
