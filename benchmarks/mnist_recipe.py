@@ -15,6 +15,8 @@ with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model fo
 - vs baseline: with --baseline (another recipe's runs, paired with --runs in order: the same seed), the cfid ratio
   of each run to its baseline run at every weight, paired the same way: before/after at equal compute.
 - per weight: the mean over the runs, and the spread (min-max) of the runs' values.
+- --guidance-interval lo,hi: every w > 0 guides only at steps whose sigma_t is in (lo, hi] (sample.py's
+  guidance_interval, Kynkaanniemi et al. 2024); its rows' features are kept apart from the full-interval rows'.
 Resumable: each (run, sampler, guidance) row's features are kept in --features-dir. The JSON carries
 benchmarks/common.py's provenance. --smoke: 8 samples, 1 guidance weight, a quick classifier.
 """
@@ -36,7 +38,7 @@ from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, paired_r
 from ddpm.metrics.classifier import classifier_file, held_out_split
 from ddpm.metrics.features import classifier_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
-from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
+from ddpm.sampling.runtime import default_batch_size, guidance_interval, resolve_sampling_precision
 from ddpm.weights import load_model
 
 SAMPLERS = {  # name -> a sampler of sample.py's config groups
@@ -56,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="recipe", help="the recipe's name in the JSON and the table")
     p.add_argument("--sampler", default="dpm++sde25", choices=sorted(SAMPLERS), help="the sampler of every row")
     p.add_argument("--guidance", default="0", help="comma-separated guidance weights")
+    p.add_argument("--guidance-interval", type=interval, default=None,
+                   help="sigma_lo,sigma_hi: guide only where sigma_t is in (sigma_lo, sigma_hi] (sample.py's "
+                   "guidance_interval); default: every step")  # fmt: skip
     p.add_argument("--reference", default="none", help="a sampler of SAMPLERS at w = 0 for the paired ratio, or none")
     p.add_argument("--baseline", help="comma-separated runs of the recipe to compare with, paired with --runs")
     p.add_argument("--num-samples", type=int, default=500)
@@ -68,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, help="PNG: cfid and accuracy against w (runs' mean, min-max)")
     common.add_arguments(p, repeats=None)
     return p
+
+
+def interval(text: str) -> tuple[float, float]:
+    try:
+        return guidance_interval([float(v) for v in text.split(",")], key="--guidance-interval")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def weights_file(run: str) -> Path:
@@ -85,6 +97,7 @@ def draw(path: Path, sampler: str, guidance: float, args: argparse.Namespace, de
                    sigma_data=loaded.diffusion.sigma_data,
                    sampler=SAMPLERS[sampler](), image_shape=(net.in_channels, net.image_size, net.image_size),
                    num_samples=args.num_samples, labels=labels, null_class=net.num_classes, guidance=guidance,
+                   guidance_interval=args.guidance_interval if guidance else None,
                    seed=args.seed, batch_size=default_batch_size(device, guided=guidance != 0), device=device,
                    precision=resolve_sampling_precision("auto", device))  # fmt: skip
     return {"images": out.images, "labels": labels, "nfe": out.nfe, "seconds": time.perf_counter() - began}
@@ -151,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['accuracy']['value']:.3f}", flush=True)  # fmt: skip
     summary = summarise(rows, args)
     report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
-              "sampler": args.sampler, "reference": args.reference,
+              "sampler": args.sampler, "guidance_interval": args.guidance_interval, "reference": args.reference,
               "num_samples": args.num_samples, "resamples": args.resamples, "classifier": extractor.name,
               "data": data_name, "floor": floor, "rows": rows, "summary": summary}  # fmt: skip
     run.write(report, f"mnist_recipe_{args.label}.json")
@@ -162,7 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def measure_row(path, sampler, guidance, args, device, extractor, terms, weights, features_dir, tag) -> dict:
-    file = features_dir / f"{tag}_{sampler}_w{guidance:g}_{args.num_samples}.pt"
+    limited = args.guidance_interval if guidance else None  # w = 0 draws the same images with or without one
+    where = f"_i{limited[0]:g}-{limited[1]:g}" if limited else ""
+    file = features_dir / f"{tag}_{sampler}_w{guidance:g}{where}_{args.num_samples}.pt"
     drawn = {"images": None, "labels": None, "nfe": None, "seconds": None}
     if not file.is_file():
         drawn = draw(path, sampler, guidance, args, device)
@@ -170,8 +185,8 @@ def measure_row(path, sampler, guidance, args, device, extractor, terms, weights
     stats, intervals, saved = scored(extractor, terms, drawn["images"], drawn["labels"], weights, file, extra)
     if "accuracy" not in intervals:
         raise SystemExit(f"{path}: an unconditional model; mnist_recipe.py scores class-conditional runs (accuracy)")
-    return {"run": str(path), "sampler": sampler, "guidance": guidance, "nfe": saved["nfe"],
-            "seconds": saved["seconds"], **intervals, "stats": stats}  # fmt: skip
+    return {"run": str(path), "sampler": sampler, "guidance": guidance, "guidance_interval": limited,
+            "nfe": saved["nfe"], "seconds": saved["seconds"], **intervals, "stats": stats}  # fmt: skip
 
 
 def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:

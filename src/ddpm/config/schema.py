@@ -117,6 +117,7 @@ SAMPLE_KEYS: dict[str, Any] = {  # conf/sample.yaml's own keys
     "batch_size": int | Literal["auto"] | None,
     "labels": int | list[int] | None,
     "guidance": float,
+    "guidance_interval": tuple[float, float] | None,
     "seed": int,
     "precision": Precision,
     "channels_last": bool,

@@ -130,13 +130,16 @@ def generate(
     compile: bool = False,
     compile_backend: str | Callable = "inductor",
     sigma_data: float | None = None,
+    guidance_interval: tuple[float, float] | None = None,
 ) -> Generated:
     """Draw `num_samples` images (indices first_index.. for seeding) in batches of `batch_size`.
 
     labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same seed, batch size
     and first_index give the same images. prediction and sigma_data: the run's diffusion.prediction and
-    diffusion.sigma_data (an EDM model's "edm" and its data scale; None otherwise). precision: 32 or bf16 (the
-    network only, see samplers.base.network_call; `auto` is decided by the caller, ddpm.sampling.runtime).
+    diffusion.sigma_data (an EDM model's "edm" and its data scale; None otherwise). guidance_interval: (sigma_lo,
+    sigma_hi], guidance only at steps whose sigma_t lies in it (samplers.base.GuidedModel); None: at every step.
+    precision: 32 or bf16 (the network only, see samplers.base.network_call; `auto` is decided by the caller,
+    ddpm.sampling.runtime).
     channels_last: sample with an NHWC copy of `net` (to_channels_last). compile: torch.compile the network (already
     compiled `net`s are reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer;
     twice that with guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled
@@ -155,7 +158,7 @@ def generate(
         net = StaticBatch(compiled, rows=rows * (2 if guided else 1))
     model = GuidedModel(
         net=net, betas=betas, prediction=prediction, guidance=guidance, null_class=null_class, precision=precision,
-        sigma_data=sigma_data,
+        sigma_data=sigma_data, guidance_interval=guidance_interval,
     )  # fmt: skip
     images, began = [], time.perf_counter()
     float32 = torch.autocast(torch.device(device).type, enabled=False)  # float32 even inside a bf16 run

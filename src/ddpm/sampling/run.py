@@ -21,7 +21,13 @@ from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.metrics.sharding import init_from_env, world
 from ddpm.run_dir import claim
-from ddpm.sampling.runtime import check_guidance, default_batch_size, resolve_device, resolve_sampling_precision
+from ddpm.sampling.runtime import (
+    check_guidance,
+    default_batch_size,
+    guidance_interval,
+    resolve_device,
+    resolve_sampling_precision,
+)
 from ddpm.weights import load_model
 from ddpm.weights.atomic import atomic_write, atomic_write_text
 from ddpm.weights.model import instantiate_local
@@ -124,6 +130,7 @@ def _sample(cfg: DictConfig) -> Generated:
     loaded = load_model(cfg.ckpt, device)
     net, diffusion = loaded.net, loaded.diffusion
     check_guidance(cfg.guidance, num_classes=net.num_classes, p_uncond=diffusion.p_uncond)  # before any sampling
+    guidance_interval(cfg.get("guidance_interval"))
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels
     labels = requested_labels(labels_cfg, cfg.num_samples, net.num_classes)
     guided = cfg.guidance != 0 and labels is not None
@@ -171,6 +178,7 @@ def _draw(cfg: DictConfig, net, diffusion, labels, batch_size: int, precision, c
         labels=labels,
         null_class=net.num_classes,
         guidance=cfg.guidance,
+        guidance_interval=guidance_interval(cfg.get("guidance_interval")),
         seed=cfg.seed,
         batch_size=batch_size,
         device=device,

@@ -7,14 +7,16 @@ plain-torch `ddpm.diffusion.generate.generate` with concrete values:
 - `resolve_sampling_precision("auto", device)`: bf16 network calls where bf16 was measured faster than float32
   (ddpm.precision.fast_bf16: CUDA with bf16, AMX CPUs), else float32;
 - `default_batch_size(device, guided=...)`: 256 images on a GPU; 64 network rows per call on a CPU;
-- `check_guidance(w, ...)`: refuses a guidance weight the model cannot honour, naming the key to change.
+- `check_guidance(w, ...)`: refuses a guidance weight the model cannot honour, naming the key to change;
+- `guidance_interval(value)`: a config's [sigma_lo, sigma_hi] as a tuple, or a refusal naming the key.
 """
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
-from ddpm.diffusion.samplers.base import PRECISIONS, Precision
+from ddpm.diffusion.samplers.base import PRECISIONS, Precision, check_interval
 from ddpm.metrics.sharding import world
 from ddpm.precision import fast_bf16, native_bf16
 
@@ -85,3 +87,15 @@ def default_batch_size(device: torch.device | str, *, guided: bool) -> int:
     if torch.device(device).type == "cuda":
         return GPU_BATCH
     return CPU_BATCH // 2 if guided else CPU_BATCH
+
+
+def guidance_interval(value: Sequence[float] | None, key: str = "guidance_interval") -> tuple[float, float] | None:
+    """A config's guidance interval [sigma_lo, sigma_hi] (null: none) as the tuple GuidedModel takes; a bad value is
+    refused naming `key`."""
+    if value is None:
+        return None
+    try:
+        return check_interval(tuple(value))
+    except (TypeError, ValueError) as error:
+        shown = list(value) if isinstance(value, Sequence) else value
+        raise ValueError(f"{key}={shown}: {error}, or {key}=null to guide every step") from error
