@@ -139,3 +139,30 @@ def test_sample_py_with_an_interval_draws_between_guided_and_unguided(tmp_path: 
                      check=False)  # fmt: skip
     assert refused.returncode != 0 and "guidance_interval=[5.0, 0.3]" in refused.stderr
     assert not (tmp_path / "x" / "samples.npz").exists()
+
+
+def test_callbacks_take_the_interval_and_name_their_key_when_it_is_bad() -> None:
+    from ddpm.callbacks.fid import FID
+    from ddpm.callbacks.sample_grid import SampleGrid
+
+    grid = SampleGrid(sampler=DDIMSampler(steps=2), guidance=1.0, guidance_interval=[0.3, 5])
+    assert grid.guidance_interval == (0.3, 5.0)
+    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.guidance_interval=\[5, 0\.3\]"):
+        SampleGrid(sampler=DDIMSampler(steps=2), guidance=1.0, guidance_interval=[5, 0.3])
+    with pytest.raises(ValueError, match=r"callbacks\.fid\.guidance_interval=\[1\]"):
+        FID(sampler=DDIMSampler(steps=2), guidance=1.0, guidance_interval=[1])
+
+
+def test_the_grid_draws_with_its_interval(monkeypatch) -> None:
+    """SampleGrid -> sample_with_ema -> generate: the interval reaches the sampler (images as generate's own)."""
+    from types import SimpleNamespace
+
+    from ddpm.callbacks import sample_grid
+    from ddpm.diffusion.gaussian import GaussianDiffusion
+
+    net = perturbed_unet()
+    module = SimpleNamespace(net=net, diffusion=GaussianDiffusion(), device=torch.device("cpu"))
+    trainer = SimpleNamespace(callbacks=[])
+    drawn = sample_grid.sample_with_ema(trainer, module, sampler=DDIMSampler(steps=10), num_samples=6, guidance=2.0,
+                                        seed=3, batch_size=6, precision="32", guidance_interval=(0.3, 5.0))  # fmt: skip
+    assert torch.equal(drawn.images, draw(net, guidance=2.0, guidance_interval=(0.3, 5.0)))

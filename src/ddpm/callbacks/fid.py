@@ -18,6 +18,7 @@ from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
 from ddpm.sampling.runtime import check_guidance
+from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
 
 
 class FID(Callback):
@@ -32,6 +33,7 @@ class FID(Callback):
         metrics: tuple[str, ...] = ("fid",),  # any of fid, kid, is
         features: str = "inception",  # inception, or a TorchScript/state-dict classifier file
         guidance: float = 0.0,  # classifier-free guidance weight for conditional models
+        guidance_interval: tuple[float, float] | None = None,  # [sigma_lo, sigma_hi]: guide only there; None: always
         seed: int = 0,  # same noise every evaluation, so values are comparable across steps
         batch_size: int = 250,  # images per sampling (and feature) batch on each rank
         cache_dir: str = DEFAULT_CACHE_DIR,  # where the training-set statistics are cached
@@ -47,6 +49,7 @@ class FID(Callback):
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.metrics, self.features, self.guidance, self.seed = tuple(metrics), features, guidance, seed
         self.batch_size, self.cache_dir = batch_size, cache_dir
+        self.guidance_interval = guidance_interval_of(guidance_interval, key="callbacks.fid.guidance_interval")
         if str(precision) not in ("auto", *PRECISIONS):
             raise ValueError(f"callbacks.fid.precision={precision!r} must be auto, 32 or bf16")
         self.precision = precision
@@ -93,6 +96,7 @@ class FID(Callback):
             sampler=self.sampler,
             num_samples=self.num_samples,
             guidance=self.guidance,
+            guidance_interval=self.guidance_interval,
             seed=self.seed,
             batch_size=self.batch_size,
             precision=self.precision,

@@ -16,6 +16,7 @@ from ddpm.callbacks.ema import EMA
 from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
 from ddpm.diffusion.samplers.base import PRECISIONS
 from ddpm.sampling.runtime import check_guidance, resolve_sampling_precision
+from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
 from ddpm.weights.atomic import atomic_write
 
 
@@ -32,6 +33,7 @@ def sample_with_ema(
     num_samples: int,
     guidance: float,
     seed: int,
+    guidance_interval: tuple[float, float] | None = None,
     batch_size: int = 256,
     precision: str | int = "32",
     generate_fn: Callable[..., Generated] = generate,
@@ -40,7 +42,7 @@ def sample_with_ema(
 
     `generate_fn` takes `generate`'s keywords: `generate` (all images here), or
     `ddpm.metrics.evaluate.generate_shard` (this DDP rank's share). precision: auto, 32 or bf16, the
-    network's only (generate's `precision`)."""
+    network's only (generate's `precision`). guidance_interval: generate's (sigma_lo, sigma_hi], or None."""
     net, diffusion = pl_module.net, pl_module.diffusion
     labels = class_cycle(num_samples, net.num_classes) if net.num_classes is not None else None
     ema = find_ema(trainer)
@@ -59,6 +61,7 @@ def sample_with_ema(
                 labels=labels,
                 null_class=net.num_classes,
                 guidance=guidance if labels is not None else 0.0,
+                guidance_interval=guidance_interval,
                 seed=seed,
                 batch_size=batch_size,
                 device=pl_module.device,
@@ -78,6 +81,7 @@ class SampleGrid(Callback):
         every_n_steps: int = 1000,  # optimizer steps between grids; 0 = only at the end
         num_samples: int = 64,  # images per grid (all classes in turn for a conditional model)
         guidance: float = 0.0,  # classifier-free guidance weight for conditional models
+        guidance_interval: tuple[float, float] | None = None,  # [sigma_lo, sigma_hi]: guide only there; None: always
         seed: int = 0,  # same seed every time, so grids are comparable across steps
         at_end: bool = True,  # also save a grid when training ends
         precision: str | int = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
@@ -88,6 +92,7 @@ class SampleGrid(Callback):
             )
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.guidance, self.seed, self.at_end = guidance, seed, at_end
+        self.guidance_interval = guidance_interval_of(guidance_interval, key="callbacks.sample_grid.guidance_interval")
         if str(precision) not in ("auto", *PRECISIONS):
             raise ValueError(f"callbacks.sample_grid.precision={precision!r} must be auto, 32 or bf16")
         self.precision = precision
@@ -123,6 +128,7 @@ class SampleGrid(Callback):
             sampler=self.sampler,
             num_samples=self.num_samples,
             guidance=self.guidance,
+            guidance_interval=self.guidance_interval,
             seed=self.seed,
             precision=self.precision,
         )
