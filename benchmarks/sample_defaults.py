@@ -1,12 +1,15 @@
-"""`python sample.py ckpt=...` before and after issue 12's defaults, end to end: the real command, timed.
+"""`python sample.py ckpt=...` before and after the sampling defaults of issues 12 and 18, end to end: the real
+command, timed.
 
     python benchmarks/sample_defaults.py --ckpt outputs/<mnist run>/ema.pt --num-samples 64 --repeats 2
 
 Rows, run as `sample.py` subprocesses, interleaved (AB BA ...), each with the same checkpoint, seed, labels
 and guidance:
-- `before`: what the command ran before: ancestral DDPM on all T steps, float32, NCHW, batch 256
-  (`sampler.steps=null precision=32 channels_last=false batch_size=256`);
-- `now`: the command with no options: DDPM respaced to 250 steps (conf/sampler/ddpm.yaml, the sampler table's
+- `before`: what the command ran before issue 12: ancestral DDPM on all T steps, float32, NCHW, batch 256
+  (`sampler=ddpm sampler.steps=null precision=32 channels_last=false batch_size=256`);
+- `ddpm250`: the default between issues 12 and 18, DDPM respaced to 250 steps (`sampler=ddpm`)
+  with today's other defaults;
+- `now`: the command with no options: SDE-DPM-Solver++(2M) with 20 steps (conf/sample.yaml, the sampler table's
   fastest within noise of DDPM-1000), `precision=auto`, `channels_last=true`, `batch_size=auto`;
 - `now_compile` (optional, --rows): the same with `compile=true`.
 images/s is sample.py's own figure (the sampling loop); "wall s" is the whole process (start-up, model load,
@@ -34,7 +37,14 @@ REPO = common.REPO
 SMOKE = {"num_samples": 2}
 
 ROWS = {
-    "before": {"sampler.steps": "null", "precision": "32", "channels_last": "false", "batch_size": "256"},
+    "before": {
+        "sampler": "ddpm",
+        "sampler.steps": "null",
+        "precision": "32",
+        "channels_last": "false",
+        "batch_size": "256",
+    },
+    "ddpm250": {"sampler": "ddpm"},
     "now": {},
     "now_compile": {"compile": "true"},
 }
@@ -136,7 +146,7 @@ def parse(argv: list[str] | None) -> common.Run:
         metavar="KEY=VALUE",
         help="a sample.py override for every row, applied last (e.g. sampler.steps=2 to shrink)",
     )
-    common.add_arguments(parser, rows=list(ROWS), default_rows=["before", "now"])
+    common.add_arguments(parser, rows=list(ROWS), default_rows=["before", "ddpm250", "now"])
     run = common.start(__file__, parser, argv, rows=ROWS, smoke=SMOKE)
     if run.args.smoke:
         run.args.set = [*run.args.set, "sampler.steps=2"]

@@ -268,11 +268,13 @@ def test_sample_config_composes_with_every_metric(name: str, compose_cfg: Compos
 def test_sample_config_defaults(compose_cfg: Compose) -> None:
     cfg = compose_cfg("sample")
     assert cfg.ckpt is None and cfg.labels is None
-    assert cfg.hydra.runtime.choices["sampler"] == "ddpm"
-    assert len(instantiate(cfg.sampler).timesteps(1000)) == 250  # respaced; sampler.steps=null: all T
-    assert instantiate(compose_cfg("sample", ["sampler.steps=null"]).sampler).timesteps(1000).tolist() == list(
-        range(1000)
-    )
+    assert cfg.hydra.runtime.choices["sampler"] == "dpm_solver_sde"
+    assert len(instantiate(cfg.sampler).timesteps(1000)) == 20  # SDE-DPM-Solver++(2M), 20 network calls
+    ddpm = compose_cfg("sample", ["sampler=ddpm"]).sampler
+    assert len(instantiate(ddpm).timesteps(1000)) == 250  # respaced; sampler.steps=null: all T
+    assert instantiate(compose_cfg("sample", ["sampler=ddpm", "sampler.steps=null"]).sampler).timesteps(
+        1000
+    ).tolist() == list(range(1000))
 
 
 def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compose) -> None:
@@ -286,7 +288,7 @@ def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compo
     row = next(r for r in rows if r["config"] == fastest)
     sampler = instantiate(compose_cfg("sample").sampler)
     assert len(guidances) >= 2 and {r["config"] for r in rows} >= {"ddpm1000", "dpm++20"}  # the table is whole
-    assert (type(sampler).__name__, sampler.steps) == (row["sampler"], row["steps"]) == ("DDPMSampler", 250)
+    assert (type(sampler).__name__, sampler.steps) == (row["sampler"], row["steps"]) == ("DPMSolverSDESampler", 20)
 
 
 def test_mnist_grid_guidance_is_the_smallest_weight_reading_995(compose_cfg: Compose, mnist_root: Path) -> None:
