@@ -4,7 +4,8 @@
   `python -m ddpm.export ...`), with one environment for every test: one OpenMP thread (tests run
   beside each other on 2 cores), W&B offline with its folders under a temp dir, full Hydra errors.
 - `compose(name, overrides)` composes `conf/<name>.yaml` exactly as `train.py` / `sample.py` would.
-- `tiny_unet(**changes)` and `TINY_UNET` are the one small network the unit tests build.
+- `tiny_unet(**changes)` and `TINY_UNET` are the one small network the unit tests build; `perturbed_unet()` its
+  conditional form with non-zero outputs.
 - `TINY_RUN` are the overrides of a seconds-long `train.py` run on the default (digits) experiment.
 """
 
@@ -65,6 +66,19 @@ def tiny_unet(**changes: Any):
     from ddpm.models.unet import UNet
 
     return UNet(**(TINY_UNET | changes))
+
+
+def perturbed_unet():
+    """The tests' tiny conditional UNet with every weight moved by 0.05 N(0, 1) (its zero-initialised output
+    layer would otherwise give identical images at any precision, with or without guidance)."""
+    import torch
+
+    torch.manual_seed(0)
+    net = tiny_unet(num_classes=10).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return net
 
 
 def env(**extra: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ batches of 4 (a partial last batch), against float32 eager on the same seed:
 import numpy as np
 import pytest
 import torch
-from helpers import CONF, CPU_KINDS, TINY_RUN, compose, sample, tiny_unet, train, use_cpu
+from helpers import CONF, CPU_KINDS, TINY_RUN, compose, perturbed_unet, sample, train, use_cpu
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -37,17 +37,6 @@ from ddpm.sampling.run import resolve_batch_size
 from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
 BETAS = linear_betas(1000).double()
-
-
-def perturbed_unet() -> nn.Module:
-    """The tests' tiny conditional UNet with every weight moved by 0.05 N(0, 1) (its zero-initialised output
-    layer would otherwise give identical images at any precision)."""
-    torch.manual_seed(0)
-    net = tiny_unet(num_classes=10).eval()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return net
 
 
 def drawing(net, sampler, *, guidance=0.0, num_samples=10, batch_size=4, **options):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TINY_UNET, compose, sample, tiny_unet
+from helpers import REPO, TINY_UNET, compose, perturbed_unet, sample
 from omegaconf import OmegaConf
 
 from ddpm.config import validate_config
@@ -70,15 +70,6 @@ def draw(net, **options) -> torch.Tensor:
         net=net, betas=BETAS, prediction="eps", sampler=DDIMSampler(steps=10), image_shape=(1, 8, 8), num_samples=6,
         labels=torch.arange(6) % 10, null_class=NULL, seed=3, batch_size=6, **options,
     ).images  # fmt: skip
-
-
-def perturbed_unet() -> torch.nn.Module:
-    torch.manual_seed(0)
-    net = tiny_unet(num_classes=10).eval()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return net
 
 
 def test_an_interval_holding_every_step_is_plain_guidance_and_an_empty_one_is_none() -> None:

@@ -130,7 +130,7 @@ def _sample(cfg: DictConfig) -> Generated:
     loaded = load_model(cfg.ckpt, device)
     net, diffusion = loaded.net, loaded.diffusion
     check_guidance(cfg.guidance, num_classes=net.num_classes, p_uncond=diffusion.p_uncond)  # before any sampling
-    guidance_interval(cfg.get("guidance_interval"))
+    interval = guidance_interval(cfg.get("guidance_interval"))
     labels_cfg = list(cfg.labels) if isinstance(cfg.labels, ListConfig) else cfg.labels
     labels = requested_labels(labels_cfg, cfg.num_samples, net.num_classes)
     guided = cfg.guidance != 0 and labels is not None
@@ -141,7 +141,7 @@ def _sample(cfg: DictConfig) -> Generated:
     if channels_last:  # in place: this network is sample.py's own; before compiling (the graph keeps the layout)
         net = net.to(memory_format=torch.channels_last)
     try:
-        out = _draw(cfg, net, diffusion, labels, batch_size, precision, compiled, device)
+        out = _draw(cfg, net, diffusion, labels, batch_size, precision, compiled, device, interval)
     except NonFiniteSamplesError as error:
         raise NonFiniteSamplesError(
             f"{error}. Nothing was written. Check the weights of ckpt={cfg.ckpt} (an earlier checkpoint of the run), "
@@ -165,7 +165,17 @@ def _sample(cfg: DictConfig) -> Generated:
     return out
 
 
-def _draw(cfg: DictConfig, net, diffusion, labels, batch_size: int, precision, compiled: bool, device) -> Generated:
+def _draw(
+    cfg: DictConfig,
+    net,
+    diffusion,
+    labels,
+    batch_size: int,
+    precision,
+    compiled: bool,
+    device,
+    interval: tuple[float, float] | None,
+) -> Generated:
     """All ranks' images of sample.py's settings (each rank draws its share)."""
     return generate_sharded(
         net=compile_network(net) if compiled else net,  # compiled once, for every batch and step
@@ -178,7 +188,7 @@ def _draw(cfg: DictConfig, net, diffusion, labels, batch_size: int, precision, c
         labels=labels,
         null_class=net.num_classes,
         guidance=cfg.guidance,
-        guidance_interval=guidance_interval(cfg.get("guidance_interval")),
+        guidance_interval=interval,
         seed=cfg.seed,
         batch_size=batch_size,
         device=device,
