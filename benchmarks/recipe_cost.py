@@ -4,8 +4,8 @@
 
 Rows, each a real `python train.py experiment=mnist` subprocess in strict float32 eager (`trainer.precision=32-true
 compile=false`: the cost the goal is stated in, on any CPU), same seed, no validation, grid or checkpoints:
-- `before`: the recipe at 2b99e39, written out as overrides (eps prediction, uniform weighting, p_uncond 0.1,
-  lr 1e-3, warm-up 200, EMA 0.999, dropout 0);
+- `before`: the recipe at 2b99e39, written out as overrides (DDPM's linear schedule, eps prediction, uniform
+  weighting, p_uncond 0.1, lr 1e-3, warm-up 200, EMA 0.999, dropout 0);
 - `after`: experiment=mnist as committed (conf/experiment/mnist.yaml).
 Figure: the median of the run's logged `train/images_per_sec` (our Trainer: step, EMA, callbacks) after the first
 --skip logged values (start-up, first steps). Rows run interleaved (AB BA ..., benchmarks/common.py); "vs before"
@@ -27,7 +27,8 @@ import common
 
 REPO = common.REPO
 SMOKE = {"steps": 6, "batch_size": 8, "skip": 1, "log_every": 1}
-BEFORE = {  # conf/experiment/mnist.yaml at 2b99e39, which the study started from
+BEFORE = {  # conf/experiment/mnist.yaml at 2b99e39, which the study started from (the group first, then its keys)
+    "diffusion": "linear",
     "diffusion.prediction": "eps",
     "diffusion.loss_weighting": "uniform",
     "diffusion.p_uncond": "0.1",

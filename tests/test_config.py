@@ -147,11 +147,12 @@ def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 
 def check_diffusion(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     diffusion = instantiate(cfg.diffusion)
-    if name == "edm":  # Karras et al. 2022: levels 0.002 .. 80, sigma_data 0.5, ln sigma ~ N(-1.2, 1.2^2)
+    if name.startswith("edm"):  # Karras et al. 2022: levels 0.002 .. 80, sigma_data 0.5, ln sigma ~ N(-1.2, 1.2^2)
         assert isinstance(diffusion, EDMDiffusion) and diffusion.num_timesteps == 1000
         sigmas = diffusion.sigmas64()
         assert sigmas[0].item() == pytest.approx(0.002) and sigmas[-1].item() == pytest.approx(80.0)
-        assert (diffusion.sigma_data, diffusion.p_mean, diffusion.p_std) == (0.5, -1.2, 1.2)
+        noise = {"edm": (0.5, -1.2, 1.2), "edm_mnist": (1.0, 0.0, 1.5)}[name]  # edm_mnist: docs/mnist.md's EDM C
+        assert (diffusion.sigma_data, diffusion.p_mean, diffusion.p_std) == noise
         betas = diffusion.betas64()
         assert torch.all(betas > 0) and torch.all(betas < 1)
         return
@@ -293,15 +294,16 @@ def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compo
 
 def test_mnist_grid_guidance_is_the_smallest_weight_reading_995(compose_cfg: Compose, mnist_root: Path) -> None:
     """experiment=mnist's grid draws with the guidance curve's sampler at its smallest weight w whose samples every
-    run reads >= 99.5% as asked: benchmarks/results/mnist_recipe_base.json, docs/mnist.md."""
-    report = json.loads((REPO / "benchmarks/results/mnist_recipe_base.json").read_text())
+    run (three training seeds) reads >= 99.5% as asked: benchmarks/results/mnist_recipe_edm_c_seeds.json,
+    docs/mnist.md."""
+    report = json.loads((REPO / "benchmarks/results/mnist_recipe_edm_c_seeds.json").read_text())
     curve = [s for s in report["summary"] if s["sampler"] == report["sampler"]]
     chosen = min(s["guidance"] for s in curve if s["accuracy"]["min"] >= 0.995)
     grid = experiment(compose_cfg, "mnist", f"data.root={mnist_root}").callbacks.sample_grid
     sampler = instantiate(grid.sampler)
-    assert len(curve) >= 6 and {0.0, 3.0} <= {s["guidance"] for s in curve}  # the curve is whole
+    assert len(curve) >= 6 and {0.0, 3.0} <= {s["guidance"] for s in curve} and len(report["runs"]) >= 3  # whole
     assert (report["sampler"], type(sampler), sampler.steps) == ("dpm++sde25", DPMSolverSDESampler, 25)
-    assert grid.guidance == chosen == 0.7
+    assert grid.guidance == chosen == 0.5
 
 
 # --- experiments --------------------------------------------------------------------------------------

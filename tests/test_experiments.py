@@ -166,12 +166,12 @@ def test_experiments_are_discovered() -> None:
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_trains_two_steps_with_its_own_settings(trained: Run) -> None:
-    """2 steps at the experiment's own (resolved) precision, LR, EMA and schedule: checkpoint, EMA export, grid."""
+    """2 steps at the experiment's own (resolved) precision, LR, EMA and diffusion: checkpoint, EMA export, grid."""
     saved = yaml.safe_load((trained.dir / "config.yaml").read_text())
     own = trained.config
     assert saved["trainer"]["precision"] == trained.precision
     assert (saved["optim"]["lr"], saved["ema"]["decay"]) == (own["optim"]["lr"], own["ema"]["decay"])
-    assert saved["diffusion"]["schedule"] == own["diffusion"]["schedule"]
+    assert saved["diffusion"] == own["diffusion"]  # family (_target_), schedule or noise levels, every setting
     assert (saved["model"]["image_size"], saved["model"]["in_channels"]) == (trained.image_size, trained.channels)
     assert global_step(trained.dir / "checkpoints" / "last.ckpt") == 2
     assert (trained.dir / "ema.pt").is_file()
