@@ -147,7 +147,7 @@ def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 
 def check_diffusion(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     diffusion = instantiate(cfg.diffusion)
-    if name.startswith("edm"):  # Karras et al. 2022: levels 0.002 .. 80, sigma_data 0.5, ln sigma ~ N(-1.2, 1.2^2)
+    if name.startswith("edm"):  # Karras et al. 2022: levels 0.002 .. 80; sigma_data and ln sigma ~ N(P_mean, P_std^2)
         assert isinstance(diffusion, EDMDiffusion) and diffusion.num_timesteps == 1000
         sigmas = diffusion.sigmas64()
         assert sigmas[0].item() == pytest.approx(0.002) and sigmas[-1].item() == pytest.approx(80.0)
