@@ -5,7 +5,7 @@
   beside each other on 2 cores), W&B offline with its folders under a temp dir, full Hydra errors.
 - `compose(name, overrides)` composes `conf/<name>.yaml` exactly as `train.py` / `sample.py` would.
 - `tiny_unet(**changes)` and `TINY_UNET` are the one small network the unit tests build; `perturbed_unet()` its
-  conditional form with non-zero outputs.
+  conditional form with non-zero outputs; `tiny_unet_config()` its `model:` config, for an ema.pt.
 - `TINY_RUN` are the overrides of a seconds-long `train.py` run on the default (digits) experiment.
 """
 
@@ -66,6 +66,13 @@ def tiny_unet(**changes: Any):
     from ddpm.models.unet import UNet
 
     return UNet(**(TINY_UNET | changes))
+
+
+def tiny_unet_config(num_classes: int | None = None) -> dict[str, Any]:
+    """`model:` of a run config for tiny_unet(num_classes=...), as train.py writes it into ema.pt (lists, not
+    tuples: a resolved YAML config)."""
+    model = {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, "num_classes": num_classes}
+    return model | {key: list(model[key]) for key in ("channel_mult", "attention_resolutions")}
 
 
 def perturbed_unet():

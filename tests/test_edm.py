@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_RUN, TINY_UNET, sample, tiny_unet, train
+from helpers import TINY_RUN, sample, tiny_unet, tiny_unet_config, train
 
 from ddpm.diffusion import precond
 from ddpm.diffusion.edm import EDMDiffusion, edm_sigmas
@@ -215,10 +215,13 @@ def test_generate_draws_the_same_images_from_f_as_from_the_equivalent_eps_networ
 
 
 def edm_run(folder, num_classes=3):
-    model = {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, "num_classes": num_classes}
-    model |= {key: list(model[key]) for key in ("channel_mult", "attention_resolutions")}
-    config = {"model": model, "diffusion": {"_target_": "ddpm.diffusion.edm.EDMDiffusion", "num_timesteps": 1000,
-                                            "sigma_data": SD, "p_uncond": 0.1}}  # fmt: skip
+    diffusion = {
+        "_target_": "ddpm.diffusion.edm.EDMDiffusion",
+        "num_timesteps": 1000,
+        "sigma_data": SD,
+        "p_uncond": 0.1,
+    }
+    config = {"model": tiny_unet_config(num_classes), "diffusion": diffusion}
     net = tiny_unet(num_classes=num_classes)
     with torch.no_grad():
         for p in net.parameters():

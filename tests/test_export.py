@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_RUN, TINY_UNET, run, sample, tiny_unet, train
+from helpers import TINY_RUN, run, sample, tiny_unet, tiny_unet_config, train
 from safetensors.torch import save_file
 
 from ddpm.diffusion.gaussian import GaussianDiffusion
@@ -71,13 +71,8 @@ def write_run(
     folder: Path, *, prediction: str = "eps", num_classes: int | None = None, num_timesteps: int = 1000, **diffusion
 ) -> tuple[Path, dict[str, Any]]:
     """An ema.pt as train.py writes it (EMA weights + resolved config) of a perturbed tiny UNet."""
-    model = {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, "num_classes": num_classes}
-    model |= {
-        "channel_mult": list(model["channel_mult"]),
-        "attention_resolutions": list(model["attention_resolutions"]),
-    }
     config = {
-        "model": model,
+        "model": tiny_unet_config(num_classes),
         "diffusion": {"_target_": "ddpm.diffusion.gaussian.GaussianDiffusion", "num_timesteps": num_timesteps,
                       "schedule": "linear", "prediction": prediction, "p_uncond": 0.1, **diffusion},
     }  # fmt: skip

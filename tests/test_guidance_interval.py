@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TINY_UNET, compose, perturbed_unet, sample
+from helpers import REPO, compose, perturbed_unet, sample, tiny_unet_config
 from omegaconf import OmegaConf
 
 from ddpm.config import validate_config
@@ -120,8 +120,8 @@ def test_sample_config_takes_an_interval_or_null() -> None:
 def test_sample_py_with_an_interval_draws_between_guided_and_unguided(tmp_path: Path) -> None:
     """sample.py on an ema.pt of the perturbed tiny network above: the interval reaches the sampler."""
     diffusion = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "diffusion" / "linear.yaml"))
-    model = {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, "num_classes": 10}
-    ckpt = export_ema(tmp_path / "ema.pt", perturbed_unet().state_dict(), {"model": model, "diffusion": diffusion})
+    config = {"model": tiny_unet_config(10), "diffusion": diffusion}
+    ckpt = export_ema(tmp_path / "ema.pt", perturbed_unet().state_dict(), config)
     images = {}
     for name, extra in {"all": [], "mid": ["guidance_interval=[0.3,5]"], "none": ["guidance=0"]}.items():
         out = tmp_path / name
