@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import common
+import samplers
 import torch
 
 from ddpm.diffusion.generate import class_cycle, generate
@@ -41,13 +42,22 @@ from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
 from ddpm.sampling.runtime import default_batch_size, guidance_interval, resolve_sampling_precision
 from ddpm.weights import load_model
 
-SAMPLERS = {  # name -> a sampler of sample.py's config groups
+
+def table_sampler(name: str):
+    """A configuration of the sampler table (benchmarks/samplers.py), built afresh per row."""
+    cls, kwargs = samplers.CONFIGS[name]
+    return lambda: cls(**kwargs)
+
+
+SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sampler table
     "dpm++sde25": lambda: DPMSolverSDESampler(steps=25),
     "dpm++sde20": lambda: DPMSolverSDESampler(steps=20),
     "ddpm250": lambda: DDPMSampler(steps=250),
     "ddpm1000": lambda: DDPMSampler(steps=None),
     "ddim50": lambda: DDIMSampler(steps=50),
     "ddim4": lambda: DDIMSampler(steps=4),
+    "edm13_churn": table_sampler("edm13_churn"),  # stochastic Heun, 25 NFE
+    "restart": table_sampler("restart"),  # 25 NFE
 }
 SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "ddim50", "sampler": "ddim4"}
 
