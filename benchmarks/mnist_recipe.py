@@ -52,6 +52,7 @@ def table_sampler(name: str):
 SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sampler table
     "dpm++sde25": lambda: DPMSolverSDESampler(steps=25),
     "dpm++sde20": lambda: DPMSolverSDESampler(steps=20),
+    "dpm++sde25_logsnr": lambda: DPMSolverSDESampler(steps=25, spacing="logsnr"),  # uniform in log sigma
     "ddpm250": lambda: DDPMSampler(steps=250),
     "ddpm1000": lambda: DDPMSampler(steps=None),
     "ddim50": lambda: DDIMSampler(steps=50),
