@@ -281,14 +281,17 @@ def test_sample_config_defaults(compose_cfg: Compose) -> None:
 def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compose) -> None:
     """sample.py's default sampler is the committed sampler table's fastest configuration (fewest network calls)
     whose classifier FID is within the noise of DDPM-1000's (paired ratio's 95% interval reaches 1 or lies below)
-    at every guidance weight measured: benchmarks/results/samplers.json, docs/benchmarks.md."""
+    at every guidance weight DDPM-1000 was drawn at; among equally fast ones, the lowest unguided cfid ratio:
+    benchmarks/results/samplers.json, docs/benchmarks.md."""
     rows = json.loads((REPO / "benchmarks/results/samplers.json").read_text())["rows"]
-    guidances = {r["guidance"] for r in rows}
-    ok = [{r["config"] for r in rows if r["guidance"] == w and r["vs_ddpm1000"]["low"] <= 1.0} for w in guidances]
-    fastest = min(set.intersection(*ok), key=lambda c: next(r["nfe"] for r in rows if r["config"] == c))
-    row = next(r for r in rows if r["config"] == fastest)
+    drawn = {r["guidance"] for r in rows if r["config"] == "ddpm1000"}
+    ok = [{r["config"] for r in rows if r["guidance"] == w and r["vs_ddpm1000"]["low"] <= 1.0} for w in drawn]
+    unguided = {r["config"]: r for r in rows if r["guidance"] == 0.0}
+    fastest = min(set.intersection(*ok), key=lambda c: (unguided[c]["nfe"], unguided[c]["vs_ddpm1000"]["value"]))
+    row = unguided[fastest]
     sampler = instantiate(compose_cfg("sample").sampler)
-    assert len(guidances) >= 2 and {r["config"] for r in rows} >= {"ddpm1000", "dpm++20"}  # the table is whole
+    assert 0.0 in drawn and len({r["guidance"] for r in rows}) >= 2  # the table is whole: unguided and guided rows
+    assert {r["config"] for r in rows} >= {"ddpm1000", "ddpm250", "dpm++20", "dpm++sde20", "dpm++sde25"}
     assert (type(sampler).__name__, sampler.steps) == (row["sampler"], row["steps"]) == ("DPMSolverSDESampler", 20)
 
 
