@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 
 import common
-import samplers
 import torch
 
 from ddpm.diffusion.generate import class_cycle, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
+from ddpm.diffusion.samplers.edm import EDMSampler
+from ddpm.diffusion.samplers.restart import RestartSampler
 from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, paired_ratio, resample_weights
 from ddpm.metrics.classifier import classifier_file, held_out_split
 from ddpm.metrics.features import classifier_extractor
@@ -42,14 +43,7 @@ from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
 from ddpm.sampling.runtime import default_batch_size, guidance_interval, resolve_sampling_precision
 from ddpm.weights import load_model
 
-
-def table_sampler(name: str):
-    """A configuration of the sampler table (benchmarks/samplers.py), built afresh per row."""
-    cls, kwargs = samplers.CONFIGS[name]
-    return lambda: cls(**kwargs)
-
-
-SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sampler table
+SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sampler table (samplers.py's CONFIGS)
     "dpm++sde25": lambda: DPMSolverSDESampler(steps=25),
     "dpm++sde20": lambda: DPMSolverSDESampler(steps=20),
     "dpm++sde25_logsnr": lambda: DPMSolverSDESampler(steps=25, spacing="logsnr"),  # uniform in log sigma
@@ -57,8 +51,8 @@ SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sample
     "ddpm1000": lambda: DDPMSampler(steps=None),
     "ddim50": lambda: DDIMSampler(steps=50),
     "ddim4": lambda: DDIMSampler(steps=4),
-    "edm13_churn": table_sampler("edm13_churn"),  # stochastic Heun, 25 NFE
-    "restart": table_sampler("restart"),  # 25 NFE
+    "edm13_churn": lambda: EDMSampler(steps=13, churn=40.0, s_tmin=0.05, s_tmax=50.0, s_noise=1.003),  # 25 NFE
+    "restart": lambda: RestartSampler(steps=9, restarts=2, restart_steps=2, t_min=0.06, t_max=0.30),  # 25 NFE
 }
 SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "ddim50", "sampler": "ddim4"}
 

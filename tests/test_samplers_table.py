@@ -1,10 +1,13 @@
-"""benchmarks/samplers.py's choice of the fastest sampler within the noise of DDPM-1000, on hand-made rows."""
+"""benchmarks/samplers.py's choice of the fastest sampler within the noise of DDPM-1000, on hand-made rows; and
+mnist_recipe.py's samplers that restate the table's configurations (no script imports another) restate them exactly."""
 
 import sys
 
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import mnist_recipe
+import pytest
 import samplers
 
 
@@ -32,3 +35,12 @@ def test_a_guided_ddpm1000_row_is_asked_and_no_unguided_one_chooses_none() -> No
     rows += [row("ddpm1000", 1000, 3.0, 1.0, 1.0), row("ddim20", 20, 3.0, 1.2, 1.1)]  # ddim20: worse when guided
     assert samplers.fastest_within_noise(rows)[0] == "ddpm1000"
     assert samplers.fastest_within_noise([r for r in rows if r["guidance"] == 3.0])[0] is None
+
+
+@pytest.mark.parametrize(
+    "name", ["dpm++sde25", "dpm++sde20", "ddpm250", "ddpm1000", "ddim50", "edm13_churn", "restart"]
+)
+def test_mnist_recipe_samplers_are_the_tables(name: str) -> None:
+    cls, kwargs = samplers.CONFIGS[name]
+    ours = mnist_recipe.SAMPLERS[name]()
+    assert type(ours) is cls and vars(ours) == vars(cls(**kwargs))
