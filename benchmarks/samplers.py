@@ -129,7 +129,8 @@ def interval(p: dict, scale: float = 1.0, spec: str = ".2f") -> str:
 def fastest_within_noise(rows: list[dict]) -> tuple[str | None, dict[float, list[str]]]:
     """The configurations whose cfid is not worse than DDPM-1000's beyond the noise (the paired ratio's interval
     reaches 1 or lies below it), per guidance, and the fastest (fewest network calls) that is so at every guidance
-    DDPM-1000 was drawn at; among equally fast ones, the lowest unguided ratio (tests/test_config.py's rule)."""
+    DDPM-1000 was drawn at; among equally fast ones, the lowest unguided ratio. sample.py's default is this choice
+    on the committed table (tests/test_config.py)."""
     ok: dict[float, list[str]] = {}
     for r in rows:
         if r.get("vs_ddpm1000") is not None and r["vs_ddpm1000"]["low"] <= 1.0:
