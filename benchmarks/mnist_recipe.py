@@ -17,6 +17,8 @@ with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model fo
 - per weight: the mean over the runs, and the spread (min-max) of the runs' values.
 - --guidance-interval lo,hi: every w > 0 guides only at steps whose sigma_t is in (lo, hi] (sample.py's
   guidance_interval, Kynkaanniemi et al. 2024); its rows' features are kept apart from the full-interval rows'.
+--precision: the network calls, as sample.py's `precision`: auto is bf16 on CUDA bf16 and AMX CPUs, else 32; pass 32
+to compare with float32 figures on any machine (bf16 rows' features are kept apart). The JSON records it.
 Resumable: each (run, sampler, guidance) row's features are kept in --features-dir. The JSON carries
 benchmarks/common.py's provenance. --smoke: 8 samples, 1 guidance weight, a quick classifier.
 """
@@ -75,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
     p.add_argument("--features-dir", type=Path, help="each row's features (resume); default outputs/recipe_features")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto",
+                   help="the network calls: auto (bf16 on CUDA bf16 and AMX CPUs, else 32), 32 or bf16")  # fmt: skip
     p.add_argument("--plot", type=Path, help="PNG: cfid and accuracy against w (runs' mean, min-max)")
     common.add_arguments(p, repeats=None)
     return p
@@ -104,7 +108,7 @@ def draw(path: Path, sampler: str, guidance: float, args: argparse.Namespace, de
                    num_samples=args.num_samples, labels=labels, null_class=net.num_classes, guidance=guidance,
                    guidance_interval=args.guidance_interval if guidance else None,
                    seed=args.seed, batch_size=default_batch_size(device, guided=guidance != 0), device=device,
-                   precision=resolve_sampling_precision("auto", device))  # fmt: skip
+                   precision=args.precision)  # fmt: skip
     return {"images": out.images, "labels": labels, "nfe": out.nfe, "seconds": time.perf_counter() - began}
 
 
@@ -125,6 +129,7 @@ def spread(values: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     run = common.start(__file__, parser(), argv, smoke=SMOKE)
     args, device = run.args, run.device
+    args.precision = resolve_sampling_precision(args.precision, device, key="--precision")
     runs = [weights_file(r) for r in args.runs.split(",")]
     baselines = [weights_file(r) for r in args.baseline.split(",")] if args.baseline else []
     if baselines and len(baselines) != len(runs):
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarise(rows, args)
     report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
               "sampler": args.sampler, "guidance_interval": args.guidance_interval, "reference": args.reference,
-              "num_samples": args.num_samples, "resamples": args.resamples, "classifier": extractor.name,
+              "num_samples": args.num_samples, "resamples": args.resamples, "precision": args.precision,
+              "classifier": extractor.name,
               "data": data_name, "floor": floor, "rows": rows, "summary": summary}  # fmt: skip
     run.write(report, f"mnist_recipe_{args.label}.json")
     print(table(report))
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 def measure_row(path, sampler, guidance, args, device, extractor, terms, weights, features_dir, tag) -> dict:
     limited = args.guidance_interval if guidance else None  # w = 0 draws the same images with or without one
     where = f"_i{limited[0]:g}-{limited[1]:g}" if limited else ""
+    where += "" if args.precision == "32" else f"_{args.precision}"  # float32 rows keep their earlier file names
     file = features_dir / f"{tag}_{sampler}_w{guidance:g}{where}_{args.num_samples}.pt"
     drawn = {"images": None, "labels": None, "nfe": None, "seconds": None}
     if not file.is_file():
