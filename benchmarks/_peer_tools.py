@@ -139,7 +139,9 @@ def trainer_fit(setup: Setup, cfg: Any) -> Callable[[int], float]:
                 default_root_dir=tmp,
                 plugins=[AtomicCheckpointIO()],
             )
-            trainer.fit(module, datamodule=instantiate(run_cfg.data, source=setup.source))
+            # the source as a call argument, not merged into the config: a frozen-dataclass source (DigitsSource,
+            # MNIST missing) would become a read-only node that instantiate's resolve cannot write
+            trainer.fit(module, datamodule=instantiate(run_cfg.data, _partial_=True)(source=setup.source))
         return sum(timer.spans(0)[0][:steps])
 
     return train
