@@ -48,6 +48,7 @@ from ddpm.weights import load_model
 SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sampler table (samplers.py's CONFIGS)
     "dpm++sde25": lambda: DPMSolverSDESampler(steps=25),
     "dpm++sde20": lambda: DPMSolverSDESampler(steps=20),
+    "dpm++sde15": lambda: DPMSolverSDESampler(steps=15),
     "dpm++sde25_logsnr": lambda: DPMSolverSDESampler(steps=25, spacing="logsnr"),  # uniform in log sigma
     "ddpm250": lambda: DDPMSampler(steps=250),
     "ddpm1000": lambda: DDPMSampler(steps=None),

@@ -59,6 +59,7 @@ CONFIGS = {  # name -> (sampler class, constructor arguments)
     "ddim20": (DDIMSampler, {"steps": 20}),
     "dpm++20": (DPMSolverSampler, {"steps": 20}),
     "dpm++10": (DPMSolverSampler, {"steps": 10}),
+    "dpm++sde15": (DPMSolverSDESampler, {"steps": 15}),
     "dpm++sde20": (DPMSolverSDESampler, {"steps": 20}),
     "dpm++sde25": (DPMSolverSDESampler, {"steps": 25}),
     "edm13": (EDMSampler, {"steps": 13}),  # deterministic Heun, 25 NFE

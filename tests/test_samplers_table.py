@@ -38,7 +38,7 @@ def test_a_guided_ddpm1000_row_is_asked_and_no_unguided_one_chooses_none() -> No
 
 
 @pytest.mark.parametrize(
-    "name", ["dpm++sde25", "dpm++sde20", "ddpm250", "ddpm1000", "ddim50", "edm13_churn", "restart"]
+    "name", ["dpm++sde25", "dpm++sde20", "dpm++sde15", "ddpm250", "ddpm1000", "ddim50", "edm13_churn", "restart"]
 )
 def test_mnist_recipe_samplers_are_the_tables(name: str) -> None:
     cls, kwargs = samplers.CONFIGS[name]
