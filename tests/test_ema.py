@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.ema import EMA, ema_decay, schedule_note, warmup_reaches
 from ddpm.weights.model import CHECKPOINT_KEY
 
 
@@ -233,3 +233,29 @@ def test_checkpoint_file_round_trip(tmp_path):
     assert resumed.num_updates == 3
     assert saved.keys() == resumed.shadow.keys()
     assert all(torch.equal(resumed.shadow[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.9, 0.99, 0.995, 0.998, 0.999, 0.9995, 0.9999])
+def test_warmup_reaches_the_first_update_at_the_decay(decay):
+    """Against a scan of the closed form (1 + n) / (10 + n) >= d (n >= (10 d - 1) / (1 - d): 8,990 for 0.999)."""
+    first = next(n for n in range(200_000) if min(decay, (1 + n) / (10 + n)) == decay)
+    assert warmup_reaches(decay) == first
+    assert ema_decay(decay, first, warmup=True) == decay > ema_decay(decay, max(first - 1, 0), True) or first == 0
+
+
+def test_schedule_note_says_when_a_short_run_never_reaches_the_decay():
+    """experiment=mnist: 2,000 updates at 0.999 end at 2000/2009; 0.998 and 0.999 train the same average there."""
+    note = schedule_note(0.999, 2000)
+    assert "stays below ema.decay=0.999 for all 2,000 updates" in note and "8,990" in note and "2000/2009" in note
+    assert "0.9999 from update 89,990 of 800,000" in schedule_note(0.9999, 800_000)
+    assert "stays below" not in schedule_note(0.9, float("inf"))
+    values = [float(v) for v in torch.linspace(-1, 1, 2000)]
+    assert closed_form(0.0, values, 0.999, True) == closed_form(0.0, values, 2000 / 2009, True)
+    assert closed_form(0.0, values, 0.999, True) != closed_form(0.0, values, 0.995, True)
+
+
+def test_fit_logs_the_schedule(tmp_path, caplog):
+    """A 5-update fit at decay 0.9 (reached at update 80) logs that the warm-up keeps it below 0.9 throughout."""
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, max_steps=5, ema=EMA(decay=0.9), accumulate=1).fit(Tiny(), loader())
+    assert "stays below ema.decay=0.9 for all 5 updates" in caplog.text and "from update 80" in caplog.text

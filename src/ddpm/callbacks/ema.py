@@ -3,6 +3,9 @@
 theta_ema <- d * theta_ema + (1 - d) * theta after every optimizer step, with
 d = min(decay, (1 + n) / (10 + n)) when warm-up is on (n = updates so far; the schedule of
 tf.train.ExponentialMovingAverage's num_updates, as used by DDPM's reference code).
+The warm-up reaches a decay d only at update n = (10 d - 1) / (1 - d): 8,990 for 0.999, 89,990 for 0.9999.
+A shorter run never uses d, and every d above its last warm-up decay trains the same average; at the start
+of training the callback logs which case a run is in (`schedule_note`).
 
 Why not Lightning's `EMAWeightAveraging`: it has no warm-up decay (short runs sample from
 almost-initial weights), averages a deep copy of the whole LightningModule (schedule buffers
@@ -13,6 +16,7 @@ them under the checkpoint key `ema_state_dict` with the network's own parameter 
 swaps them in with in-place `copy_` so a compiled network sees them without recompiling.
 """
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ddpm.weights.model import CHECKPOINT_KEY
@@ -29,6 +33,31 @@ from ddpm.weights.model import CHECKPOINT_KEY
 def ema_decay(decay: float, num_updates: int, warmup: bool) -> float:
     """The decay used for update number `num_updates` (0-based)."""
     return min(decay, (1 + num_updates) / (10 + num_updates)) if warmup else decay
+
+
+def warmup_reaches(decay: float) -> int:
+    """The first update n (0-based) whose warm-up decay (1 + n) / (10 + n) reaches `decay`:
+    n >= (10 d - 1) / (1 - d), so 8,990 for 0.999 and 89,990 for 0.9999 (float round-off settled by the test)."""
+    n = max(0, math.ceil((10 * decay - 1) / (1 - decay)))
+    while n > 0 and ema_decay(decay, n - 1, warmup=True) == decay:
+        n -= 1
+    while ema_decay(decay, n, warmup=True) < decay:
+        n += 1
+    return n
+
+
+def schedule_note(decay: float, updates: float) -> str:
+    """One line on what the warm-up does to `decay` over a run of `updates` EMA updates (inf: length unknown)."""
+    reached = warmup_reaches(decay)
+    if reached < updates:
+        of = "" if math.isinf(updates) else f" of {updates:,.0f}"
+        return f"EMA: decay min({decay}, (1 + n) / (10 + n)): {decay} from update {reached:,}{of}"
+    n = int(updates)  # the last update is n - 1: decay n / (n + 9)
+    return (
+        f"EMA: the warm-up decay (1 + n) / (10 + n) stays below ema.decay={decay} for all {n:,} updates of this "
+        f"run ({decay} from update {reached:,}): any ema.decay >= {n}/{n + 9} ({n / (n + 9):.5f}) trains the "
+        "same average here; ema.warmup=false applies ema.decay from the first update"
+    )
 
 
 def _tensors(net: nn.Module) -> dict[str, Tensor]:
@@ -64,6 +93,10 @@ class EMA(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.shadow = {k: v.to(pl_module.device) for k, v in self._require_shadow().items()}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.warmup:  # a short run may never reach the decay it asks for (experiment=mnist: 0.999 in 2,000)
+            rank_zero_info(schedule_note(self.decay, trainer.estimated_stepping_batches // self.update_every_n_steps))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # global_step counts optimizer steps: under gradient accumulation it moves once per k batches.
