@@ -19,7 +19,9 @@ with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model fo
   guidance_interval, Kynkaanniemi et al. 2024); its rows' features are kept apart from the full-interval rows'.
 --precision: the network calls, as sample.py's `precision`: auto is bf16 on CUDA bf16 and AMX CPUs, else 32; pass 32
 to compare with float32 figures on any machine (bf16 rows' features are kept apart). The JSON records it.
-Resumable: each (run, sampler, guidance) row's features are kept in --features-dir. The JSON carries
+Resumable: each (run, sampler, guidance) row's features are kept in --features-dir, named by the run's folder and
+a digest of its weights, and by the classifier's name (a row is never scored with another run's or classifier's
+features). The JSON carries
 benchmarks/common.py's provenance. --smoke: 8 samples, 1 guidance weight, a quick classifier.
 """
 
@@ -40,7 +42,7 @@ from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
 from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, paired_ratio, resample_weights
 from ddpm.metrics.classifier import classifier_file, held_out_split
-from ddpm.metrics.features import classifier_extractor
+from ddpm.metrics.features import classifier_extractor, file_digest
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
 from ddpm.sampling.runtime import default_batch_size, guidance_interval, resolve_sampling_precision
 from ddpm.weights import load_model
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                              features_dir / f"floor_{extractor.name}_{args.num_samples}.pt", {})  # fmt: skip
         rows = []
         for i, path in enumerate(runs):
-            tag = f"{path.parent.name}_{path.stat().st_size}"
+            tag = row_tag(path)
             base = None
             if args.reference != "none":
                 row = measure_row(path, args.reference, 0.0, args, device, extractor, terms, weights, features_dir, tag)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if baselines:
                     other = baselines[i]
                     before = measure_row(other, args.sampler, g, args, device, extractor, terms, weights, features_dir,
-                                         f"{other.parent.name}_{other.stat().st_size}")  # fmt: skip
+                                         row_tag(other))  # fmt: skip
                     row["baseline"] = str(other)
                     row["vs_baseline"] = paired_ratio(stats, before["stats"], weights).as_dict()
                 rows.append(row)
@@ -186,11 +188,17 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def row_tag(path: Path) -> str:
+    """A run's name in its rows' feature files: the folder and a digest of the weights (two runs in folders of the
+    same name, whose files have the same size, are not mixed up)."""
+    return f"{path.parent.name}_{file_digest(path)}"
+
+
 def measure_row(path, sampler, guidance, args, device, extractor, terms, weights, features_dir, tag) -> dict:
     limited = args.guidance_interval if guidance else None  # w = 0 draws the same images with or without one
     where = f"_i{limited[0]:g}-{limited[1]:g}" if limited else ""
     where += "" if args.precision == "32" else f"_{args.precision}"  # float32 rows keep their earlier file names
-    file = features_dir / f"{tag}_{sampler}_w{guidance:g}{where}_{args.num_samples}.pt"
+    file = features_dir / f"{tag}_{sampler}_w{guidance:g}{where}_{args.num_samples}_{extractor.name}.pt"
     drawn = {"images": None, "labels": None, "nfe": None, "seconds": None}
     if not file.is_file():
         drawn = draw(path, sampler, guidance, args, device)
