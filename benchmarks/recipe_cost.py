@@ -5,7 +5,7 @@
 Rows, each a real `python train.py experiment=mnist` subprocess in strict float32 eager (`trainer.precision=32-true
 compile=false`: the cost the goal is stated in, on any CPU), same seed, no validation, grid or checkpoints:
 - `before`: the recipe at 2b99e39, written out as overrides (DDPM's linear schedule, eps prediction, uniform
-  weighting, p_uncond 0.1, lr 1e-3, warm-up 200, EMA 0.999, dropout 0);
+  weighting, p_uncond 0.1, lr 1e-3, warm-up 200, constant LR, EMA 0.999, dropout 0, conditioning added, not FiLM);
 - `after`: experiment=mnist as committed (conf/experiment/mnist.yaml).
 Figure: the median of the run's logged `train/images_per_sec` (our Trainer: step, EMA, callbacks) after the first
 --skip logged values (start-up, first steps). Rows run interleaved (AB BA ..., benchmarks/common.py); "vs before"
@@ -37,6 +37,7 @@ BEFORE = {  # conf/experiment/mnist.yaml at 2b99e39, which the study started fro
     "optim.decay": "none",
     "ema.decay": "0.999",
     "model.dropout": "0.0",
+    "model.scale_shift": "false",
 }
 ROWS = {"before": BEFORE, "after": {}}
 FIXED = [  # the cost the goal is stated in, and nothing but steps
