@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="comma-separated runs of the recipe to compare with, paired with --runs")
     p.add_argument("--num-samples", type=int, default=500)
     p.add_argument("--resamples", type=int, default=400, help="bootstrap resamples per interval")
-    p.add_argument("--classifier", type=Path, help="TorchScript classifier; default: trained here (mnist_quality.py)")
+    p.add_argument("--classifier", type=Path, help="default: benchmarks/results/mnist_classifier.pt")
     p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX folder")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="reference statistics cache")
     p.add_argument("--features-dir", type=Path, help="each row's features (resume); default outputs/recipe_features")

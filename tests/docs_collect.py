@@ -180,7 +180,7 @@ PLACEHOLDERS = [  # (pattern, fixture, replacement: {sandbox} / {tmp} filled in)
 # The runs placeholders are filled from, made once per module (only when a selected command needs them):
 # - default: the README's `python train.py` (digits, unconditional), in the sandbox at DEFAULT_RUN, so that
 #   `ckpt_path=last` (the newest outputs/*/*/checkpoints/last.ckpt under the launch directory) finds it;
-# - conditional: class-conditional MNIST with p_uncond=0.1 (experiment=mnist), for guidance, labels and the
+# - conditional: class-conditional MNIST with label dropout (experiment=mnist), for guidance, labels and the
 #   benchmarks' --ckpt (a 2-step run: its ema.pt is the tiny checkpoint they read);
 # - classifier: mnist_classifier.pt in the sandbox, as benchmarks/mnist_quality.py's docstring makes it (--smoke).
 FIXTURES = {
