@@ -14,7 +14,8 @@ with one sampler, scored by the MNIST classifier; DDPM-1000 on the same model fo
   (image i of both sets has the same label and initial noise; resampled together).
 - vs baseline: with --baseline (another recipe's runs, paired with --runs in order: the same seed), the cfid ratio
   of each run to its baseline run at every weight, paired the same way: before/after at equal compute.
-- per weight: the mean over the runs, and the spread (min-max) of the runs' values.
+- per weight: the mean over the runs, and the spread (min-max) of the runs' values; for the ratios also the mean's
+  95% interval over the images, the runs' models held fixed (ddpm.metrics.bootstrap.mean_paired_ratio).
 - --guidance-interval lo,hi: every w > 0 guides only at steps whose sigma_t is in (lo, hi] (sample.py's
   guidance_interval, Kynkaanniemi et al. 2024); its rows' features are kept apart from the full-interval rows'.
 --precision: the network calls, as sample.py's `precision`: auto is bf16 on CUDA bf16 and AMX CPUs, else 32; pass 32
@@ -40,7 +41,14 @@ from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
 from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
-from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, paired_ratio, resample_weights
+from ddpm.metrics.bootstrap import (
+    Reference,
+    SetStatistics,
+    bootstrap,
+    mean_paired_ratio,
+    paired_ratio,
+    resample_weights,
+)
 from ddpm.metrics.classifier import classifier_file, held_out_split
 from ddpm.metrics.features import classifier_extractor, file_digest
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         held = held_out_split(len(data.images))[0][: args.num_samples]
         _, floor, _ = scored(extractor, terms, data.images[held], data.labels[held], weights,
                              features_dir / f"floor_{extractor.name}_{args.num_samples}.pt", {})  # fmt: skip
-        rows = []
+        rows, pairs = [], {}  # pairs: (key, w) -> [(this run's set, its reference or baseline set)], one per run
         for i, path in enumerate(runs):
             tag = row_tag(path)
             base = None
@@ -166,16 +174,19 @@ def main(argv: list[str] | None = None) -> dict:
                 stats = row.pop("stats")
                 if base is not None and g == 0:
                     row["vs_reference"] = paired_ratio(stats, base, weights).as_dict()
+                    pairs.setdefault(("vs_reference", g), []).append((stats, base))
                 if baselines:
                     other = baselines[i]
                     before = measure_row(other, args.sampler, g, args, device, extractor, terms, weights, features_dir,
                                          row_tag(other))  # fmt: skip
                     row["baseline"] = str(other)
                     row["vs_baseline"] = paired_ratio(stats, before["stats"], weights).as_dict()
+                    pairs.setdefault(("vs_baseline", g), []).append((stats, before["stats"]))
                 rows.append(row)
                 print(f"{path}: {args.sampler} w={g:g} cfid {row['cfid']['value']:.2f} accuracy "
                       f"{row['accuracy']['value']:.3f}", flush=True)  # fmt: skip
-    summary = summarise(rows, args)
+    pooled = {key: mean_paired_ratio(group, weights).as_dict() for key, group in pairs.items()}
+    summary = summarise(rows, pooled)
     report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
               "sampler": args.sampler, "guidance_interval": args.guidance_interval, "reference": args.reference,
               "num_samples": args.num_samples, "resamples": args.resamples, "precision": args.precision,
@@ -210,8 +221,10 @@ def measure_row(path, sampler, guidance, args, device, extractor, terms, weights
             "nfe": saved["nfe"], "seconds": saved["seconds"], **intervals, "stats": stats}  # fmt: skip
 
 
-def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
-    """Per (sampler, guidance): the mean and spread over the runs of cfid, accuracy and the paired ratio."""
+def summarise(rows: list[dict], pooled: dict[tuple[str, float], dict]) -> list[dict]:
+    """Per (sampler, guidance): the mean and spread over the runs of cfid, accuracy and the paired ratios, and each
+    ratio's mean over the runs with its interval over the images (`pooled`: bootstrap.mean_paired_ratio per (key,
+    w), the runs' models held fixed)."""
     out = []
     for sampler, g in dict.fromkeys((r["sampler"], r["guidance"]) for r in rows):
         group = [r for r in rows if (r["sampler"], r["guidance"]) == (sampler, g)]
@@ -222,6 +235,7 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
             if all(key in r for r in group):
                 item[key] = spread([r[key]["value"] for r in group])
                 item[f"{key}_high"] = max(r[key]["high"] for r in group)
+                item[f"{key}_pooled"] = pooled[(key, g)]
         out.append(item)
     return out
 
@@ -229,12 +243,12 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def table(report: dict) -> str:
     floor = report["floor"]["cfid"]["value"]
     lines = [f"| {report['label']} | NFE | w | cfid@{report['num_samples']} mean [min-max] | x floor | accuracy mean "
-             "[min-max] | vs reference mean [min-max] | vs baseline mean [min-max] |",
+             "[min-max] | vs reference mean [min-max] (95%) | vs baseline mean [min-max] (95%) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     nfe = {(r["sampler"], r["guidance"]): r["nfe"] for r in report["rows"]}
     for s in report["summary"]:
         c, a = s["cfid"], s["accuracy"]
-        versus, baseline = (_ratio(s.get(key)) for key in ("vs_reference", "vs_baseline"))
+        versus, baseline = (_ratio(s.get(key), s.get(f"{key}_pooled")) for key in ("vs_reference", "vs_baseline"))
         lines.append(
             f"| {s['sampler']} | {nfe[(s['sampler'], s['guidance'])]} | {s['guidance']:g} | {c['mean']:.2f} "
             f"[{c['min']:.2f}-{c['max']:.2f}] | {c['mean'] / floor:.2f} | {a['mean']:.3f} "
@@ -246,8 +260,11 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _ratio(ratio: dict | None) -> str:
-    return f"{ratio['mean']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else "-"
+def _ratio(ratio: dict | None, pooled: dict | None) -> str:
+    if not ratio:
+        return "-"
+    spread = f"{ratio['mean']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]"
+    return f"{spread} (95%: {pooled['low']:.3f}-{pooled['high']:.3f})"
 
 
 def guidance_curve(report: dict, path: Path) -> None:

@@ -6,7 +6,14 @@ import itertools
 import pytest
 import torch
 
-from ddpm.metrics.bootstrap import SetStatistics, bootstrap, paired_ratio, percentile_interval, resample_weights
+from ddpm.metrics.bootstrap import (
+    SetStatistics,
+    bootstrap,
+    mean_paired_ratio,
+    paired_ratio,
+    percentile_interval,
+    resample_weights,
+)
 from ddpm.metrics.fid import FeatureStats, frechet_distance
 
 
@@ -97,3 +104,31 @@ def test_intervals_cover_the_value_and_paired_ratio_of_a_set_with_itself_is_one(
     shifted = SetStatistics(reference, fake + 0.3)
     ratio = paired_ratio(shifted, stats, weights)
     assert ratio.low > 1.0  # moved further from the reference: larger FID in every resample
+
+
+def test_mean_paired_ratio_against_resamples_written_out(sets):
+    """Two models, each against its own reference sampler: the value is the mean of the two full-set FID ratios
+    (torchmetrics' FID), and the interval is the centred percentile interval of that mean over resamples written out
+    image by image (the same drawn images in all four sets); one pair gives paired_ratio's interval."""
+    reference, _, fake = sets
+    g = torch.Generator().manual_seed(3)
+    sets4 = [fake[:60] + 0.1 * k + 0.05 * torch.randn(60, 32, generator=g, dtype=torch.float64) for k in range(4)]
+    stats = [SetStatistics(reference, f) for f in sets4]
+    pairs = [(stats[0], stats[1]), (stats[2], stats[3])]
+    weights = resample_weights(60, 40, seed=2)
+    pooled = mean_paired_ratio(pairs, weights)
+
+    def ratio(idx):
+        return (
+            frechet_distance(reference, sets4[0][idx]) / frechet_distance(reference, sets4[1][idx])
+            + frechet_distance(reference, sets4[2][idx]) / frechet_distance(reference, sets4[3][idx])
+        ) / 2
+
+    assert pooled.value == pytest.approx(ratio(torch.arange(60)), rel=1e-6)
+    written = [ratio(torch.repeat_interleave(torch.arange(60), w.long())) for w in weights]
+    expected = percentile_interval(pooled.value, written)
+    assert (pooled.low, pooled.high) == pytest.approx((expected.low, expected.high), rel=1e-5)
+    one = mean_paired_ratio(pairs[:1], weights)
+    assert one == paired_ratio(*pairs[0], weights)
+    with pytest.raises(ValueError, match="at least one"):
+        mean_paired_ratio([], weights)

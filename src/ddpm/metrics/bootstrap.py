@@ -179,3 +179,24 @@ def paired_ratio(
     value = getattr(a, metric)(ones) / getattr(b, metric)(ones)
     drawn_a, drawn_b = (draws(a, weights), draws(b, weights)) if drawn is None else drawn
     return percentile_interval(value, (drawn_a[name] / drawn_b[name]).tolist(), level=level)
+
+
+def mean_paired_ratio(
+    pairs: list[tuple[SetStatistics, SetStatistics]],
+    weights: Tensor,
+    *,
+    metric: Literal["fid", "kid"] = "fid",
+    level: float = 0.95,
+) -> Percentiles:
+    """The mean over K pairs (a_k, b_k) of metric(a_k) / metric(b_k), e.g. K training seeds each against its own
+    reference sampler, with one interval: in every resample each pair's ratio is taken as paired_ratio takes it and
+    the K ratios are averaged. Every set is resampled with the same counts `weights` (image i of every set shares its
+    label and initial noise), so the interval is over the images with the K models held fixed; the spread between
+    the models is theirs to report (min-max)."""
+    if not pairs:
+        raise ValueError("mean_paired_ratio needs at least one (a, b) pair")
+    name = "c" + metric
+    ones = torch.ones(pairs[0][0].n, dtype=torch.float64)
+    value = sum(getattr(a, metric)(ones) / getattr(b, metric)(ones) for a, b in pairs) / len(pairs)
+    drawn = torch.stack([draws(a, weights)[name] / draws(b, weights)[name] for a, b in pairs]).mean(0)
+    return percentile_interval(value, drawn.tolist(), level=level)
