@@ -12,6 +12,7 @@ from typing import Any
 import common
 import torch
 import torch.nn.functional as F
+from _training_loops import BatchTimer
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -130,7 +131,7 @@ def trainer_fit(setup: Setup, cfg: Any) -> Callable[[int], float]:
             module = instantiate(run_cfg.module, _partial_=True)(
                 net=net, diffusion=diffusion, optim=optim, run_config=resolved, compile=resolved["module"]["compile"]
             )
-            timer = common.BatchTimer(setup.device)
+            timer = BatchTimer(setup.device)
             trainer = instantiate(
                 run_cfg.trainer,
                 precision=resolved["trainer"]["precision"],

@@ -26,6 +26,39 @@ from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule
 from ddpm.optim import AdamW
 
+
+class BatchTimer(pl.Callback):
+    """Times a Trainer's training batches: span i runs from the end of batch i-1 (after `between`, if any) to
+    the end of batch i, so it holds everything the Trainer and callbacks do per step. `between()` runs outside
+    the spans, after every batch (throughput.py's paired bare step); its durations are kept too."""
+
+    def __init__(self, device: torch.device, between: Callable[[], object] | None = None) -> None:
+        self.device, self.between = device, between
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.resumed: list[float] = []  # when the next span starts
+        self.between_s: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        common.sync(self.device)
+        self.ends.append(time.perf_counter())
+        self.resumed.append(self.ends[-1])
+        if self.between is not None:
+            self.between()
+            self.resumed[-1] = time.perf_counter()
+            self.between_s.append(self.resumed[-1] - self.ends[-1])
+
+    def spans(self, skip: int) -> tuple[list[float], list[float]]:
+        """(step seconds, seconds waiting for the batch) of the batches after the first `skip` + 1."""
+        resumed, ends, starts = self.resumed[skip:], self.ends[skip + 1 :], self.starts[skip + 1 :]
+        return [e - r for r, e in zip(resumed, ends, strict=False)], [
+            s - r for r, s in zip(resumed, starts, strict=False)
+        ]
+
+
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -151,7 +184,7 @@ def lightning_run(
         compile_backend=args.compile_backend,
         channels_last=row.channels_last,
     )
-    timer = common.BatchTimer(device, between)
+    timer = BatchTimer(device, between)
     trainer = pl.Trainer(
         accelerator=device.type,
         devices=1,

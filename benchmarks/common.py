@@ -13,7 +13,7 @@ Rows are measured by `run_interleaved` (ABC CBA ABC ...), summarised by `stats` 
 count the mean of the two middle values; min, max) and compared with `paired_ratios` (each repeat's figure over
 the baseline row's in the same repeat: the rows of one repeat saw the same state of the machine). `run.write`
 writes the JSON with the provenance: commit, dirty flag, sha256 of the script and of this file, CPU model and
-vector flags, native bf16, threads, torch version, GPU name. `BatchTimer` times a Lightning Trainer's steps.
+vector flags, native bf16, threads, torch version, GPU name.
 """
 
 import argparse
@@ -25,13 +25,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import lightning.pytorch as pl
 import torch
 
 from ddpm.precision import native_bf16
@@ -85,38 +83,6 @@ def figure(s: Mapping[str, Any], spec: str = ".2f") -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class BatchTimer(pl.Callback):
-    """Times a Trainer's training batches: span i runs from the end of batch i-1 (after `between`, if any) to
-    the end of batch i, so it holds everything the Trainer and callbacks do per step. `between()` runs outside
-    the spans, after every batch (throughput.py's paired bare step); its durations are kept too."""
-
-    def __init__(self, device: torch.device, between: Callable[[], object] | None = None) -> None:
-        self.device, self.between = device, between
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.resumed: list[float] = []  # when the next span starts
-        self.between_s: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        sync(self.device)
-        self.ends.append(time.perf_counter())
-        self.resumed.append(self.ends[-1])
-        if self.between is not None:
-            self.between()
-            self.resumed[-1] = time.perf_counter()
-            self.between_s.append(self.resumed[-1] - self.ends[-1])
-
-    def spans(self, skip: int) -> tuple[list[float], list[float]]:
-        """(step seconds, seconds waiting for the batch) of the batches after the first `skip` + 1."""
-        resumed, ends, starts = self.resumed[skip:], self.ends[skip + 1 :], self.starts[skip + 1 :]
-        return [e - r for r, e in zip(resumed, ends, strict=False)], [
-            s - r for r, s in zip(resumed, starts, strict=False)
-        ]
 
 
 # -------------------------------------------------------------------------------------------------------- arguments
@@ -329,13 +295,42 @@ def start(
     return Run(args, Path(script).resolve(), device, names, state, Path(repo).resolve(), changes)
 
 
-def mnist_or_digits(root: str, *, allow_digits: bool) -> tuple[Any, str]:
-    """The MNIST IDX files under `root` as a data source, or scikit-learn's digits where allowed (--smoke)."""
+SMOKE_IMAGES = 1000  # --smoke: the reference statistics and quick classifiers see this many real images
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstImages:
+    """A data source cut to its first `limit` images (--smoke: the same code path, a tenth of MNIST's cost)."""
+
+    base: Any  # the source cut (a field named `source` would shadow the cache key's source name)
+    limit: int
+
+    def prepare(self) -> None:
+        self.base.prepare()
+
+    def count(self) -> int:
+        return min(self.limit, self.base.count())
+
+    def load(self, *, image_size: int, channels: int | None) -> Any:
+        from ddpm.data.sources import ImageSet
+
+        data = self.base.load(image_size=image_size, channels=channels)
+        return ImageSet(images=data.images[: self.limit], labels=data.labels[: self.limit],
+                        num_classes=data.num_classes)  # fmt: skip
+
+
+def mnist_or_digits(root: str, *, allow_digits: bool, limit: int | None = None) -> tuple[Any, str]:
+    """The MNIST IDX files under `root` as a data source, or scikit-learn's digits where allowed (--smoke); with
+    `limit`, only their first `limit` images (FirstImages)."""
     from ddpm.data.sources import DigitsSource, MNISTSource
 
     if Path(root).is_dir():
-        return MNISTSource(root=root), f"MNIST ({root})"
-    if not allow_digits:
+        source, name = MNISTSource(root=root), f"MNIST ({root})"
+    elif not allow_digits:
         raise SystemExit(f"no MNIST under {root}: pass --data-root (a folder of MNIST IDX files), or --smoke")
-    print(f"no MNIST under {root}: scikit-learn's digits instead (the same tensor shapes and cost)")
-    return DigitsSource(), "digits (MNIST missing)"
+    else:
+        print(f"no MNIST under {root}: scikit-learn's digits instead (the same tensor shapes and cost)")
+        source, name = DigitsSource(), "digits (MNIST missing)"
+    if limit is None:
+        return source, name
+    return FirstImages(base=source, limit=limit), f"the first {limit} images of {name}"

@@ -67,7 +67,7 @@ SAMPLERS = {  # name -> a sampler of sample.py's config groups, or of the sample
     "edm13_churn": lambda: EDMSampler(steps=13, churn=40.0, s_tmin=0.05, s_tmax=50.0, s_noise=1.003),  # 25 NFE
     "restart": lambda: RestartSampler(steps=9, restarts=2, restart_steps=2, t_min=0.06, t_max=0.30),  # 25 NFE
 }
-SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "ddim50", "sampler": "ddim4"}
+SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "dpm++sde15", "sampler": "ddim4"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         features_dir = args.features_dir or (Path(tmp) if args.smoke else common.REPO / "outputs/recipe_features")
         features_dir.mkdir(parents=True, exist_ok=True)
-        source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+        source, data_name = common.mnist_or_digits(
+            args.data_root, allow_digits=args.smoke, limit=common.SMOKE_IMAGES if args.smoke else None
+        )
         path = args.classifier or classifier_file(
             Path(tmp) / "classifier.pt" if args.smoke else common.RESULTS / "mnist_classifier.pt",
             source=source, limit=1000 if args.smoke else None, epochs=1 if args.smoke else 4)  # fmt: skip

@@ -282,7 +282,9 @@ def build_table(run: common.Run, args: argparse.Namespace, configs: list[str], t
     loaded = load_model(args.ckpt, run.device)
     net = loaded.net
     args.precision = resolve_sampling_precision(args.precision, run.device)
-    source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+    source, data_name = common.mnist_or_digits(
+        args.data_root, allow_digits=args.smoke, limit=common.SMOKE_IMAGES if args.smoke else None
+    )
     extractor = get_classifier(args, source, tmp).to(run.device)
     reference = reference_stats(source, image_size=net.image_size, channels=net.in_channels, extractor=extractor,
                                 cache_dir=args.cache_dir)  # fmt: skip

@@ -160,10 +160,12 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
     from ddpm.metrics.bootstrap import Reference, SetStatistics, bootstrap, resample_weights
     from ddpm.metrics.classifier import classifier_file
     from ddpm.metrics.features import classifier_extractor
-    from ddpm.metrics.fid import reference_stats
+    from ddpm.metrics.fid import DEFAULT_CACHE_DIR, reference_stats
 
     first = results[0]["images"]
-    source, _ = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+    source, _ = common.mnist_or_digits(
+        args.data_root, allow_digits=args.smoke, limit=common.SMOKE_IMAGES if args.smoke else None
+    )
     with tempfile.TemporaryDirectory() as tmp:  # --smoke never leaves its quick classifier where a real run looks
         path = args.classifier if Path(args.classifier).is_file() or not args.smoke else Path(tmp) / "classifier.pt"
         path = classifier_file(
@@ -175,7 +177,9 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
             limit=1000 if args.smoke else None,
         )
         extractor = classifier_extractor(path)
-        reference = reference_stats(source, image_size=first.shape[-1], channels=first.shape[1], extractor=extractor)
+        cache = tmp if args.smoke else DEFAULT_CACHE_DIR  # --smoke: its quick classifier's statistics die with it
+        reference = reference_stats(source, image_size=first.shape[-1], channels=first.shape[1], extractor=extractor,
+                                    cache_dir=cache)  # fmt: skip
     weights = resample_weights(len(first), args.resamples, seed=0)
     terms = Reference.of(reference)  # once for every row
     base = next((r for r in results if r["row"] == "fp32_eager"), None)

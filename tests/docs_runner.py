@@ -79,7 +79,8 @@ class Runner:
 
     def __init__(self, root: Path, workers: int = WORKERS) -> None:
         (root / "tmp").mkdir(parents=True)
-        self.sandbox, self.tmp = make_sandbox(root / "launch"), root / "tmp"
+        (root / "home").mkdir()  # every command's $HOME: what one leaves in ~/.cache is seen (and not left in yours)
+        self.sandbox, self.tmp, self.home = make_sandbox(root / "launch"), root / "tmp", root / "home"
         self.slots = threading.Semaphore(workers)
         self.pool = ThreadPoolExecutor(max_workers=4 * len(COMMANDS) + 8)  # threads mostly wait
         self.futures: dict[str, Future[Outcome]] = {}
@@ -95,6 +96,11 @@ class Runner:
 
     def outcome(self, command: Command) -> Outcome:
         return self.start(command).result()
+
+    def wait(self) -> None:
+        """Until every command started so far has ended."""
+        for future in list(self.futures.values()):
+            future.result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -112,7 +118,8 @@ class Runner:
         with self.slots:
             start = time.perf_counter()
             try:
-                result = run(line, shell=True, cwd=cwd, check=False, timeout=TIMEOUT_S, extra_env={"PATH": PATH})
+                env = {"PATH": PATH, "HOME": str(self.home)}
+                result = run(line, shell=True, cwd=cwd, check=False, timeout=TIMEOUT_S, extra_env=env)
                 code, output = result.returncode, f"{clip(result.stdout, 4000)}\n{clip(result.stderr, 6000)}"
             except subprocess.TimeoutExpired as error:
                 code, output = -9, f"timed out after {error.timeout} s"

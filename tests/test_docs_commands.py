@@ -71,6 +71,15 @@ def test_documented_command(command: Command, runner: Runner, tmp_path: Path) ->
                 assert says_skipped(row, outcome.output), f"no message that {row} is skipped:\n{outcome.report()}"
 
 
+def test_no_command_writes_the_user_cache(runner: Runner) -> None:
+    """No documented command, shrunk, leaves files in ~/.cache/lightning-ddpm (the commands run with a $HOME of
+    their own): --smoke's reference statistics belong to a throwaway classifier (49 MB each, one per suite run,
+    before sampling.py kept them in its temp folder)."""
+    runner.wait()
+    left = sorted(p.relative_to(runner.home) for p in (runner.home / ".cache" / "lightning-ddpm").rglob("*"))
+    assert not left, left
+
+
 def test_peers_smoke_skips_a_missing_peer(tmp_path: Path) -> None:
     """peers.py --smoke with diffusers made unimportable (a shadowing package that raises ImportError): it says
     that it skips diffusers, exits 0, and its JSON has this project's (bare-loop: the cheapest) row and no diffusers
