@@ -12,9 +12,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig
 from torch import Tensor
-from torchvision.utils import make_grid, save_image
 
 from ddpm.config import validate_config
+from ddpm.data.images import save_png, tile
 from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycle, compile_network
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
@@ -63,10 +63,10 @@ def resolve_batch_size(batch_size: int | str | None, device: torch.device, *, gu
 
 
 def write_outputs(out: Generated, out_dir: Path, nrow: int) -> None:
-    """grid.png (at most 256 images) and samples.npz: images (N, H, W, C) uint8, labels (N,) int64."""
-    shown = out.images[:256].float() / 255.0
-    grid = make_grid(shown, nrow=nrow, padding=2, pad_value=1.0)
-    atomic_write(out_dir / "grid.png", lambda f: save_image(grid, f, format="png"))
+    """grid.png (at most 256 images, white borders; grey or RGB as the model) and samples.npz: images (N, H, W, C)
+    uint8, labels (N,) int64."""
+    grid = tile(out.images[:256], nrow=nrow)
+    atomic_write(out_dir / "grid.png", lambda f: save_png(grid, f))
     labels = out.labels.numpy() if out.labels is not None else np.full(len(out.images), -1, dtype=np.int64)
     images = out.images.permute(0, 2, 3, 1).numpy()
     atomic_write(out_dir / "samples.npz", lambda f: np.savez(f, images=images, labels=labels), size=images.nbytes)
