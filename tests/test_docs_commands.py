@@ -75,6 +75,8 @@ def test_no_command_writes_the_user_cache(runner: Runner) -> None:
     """No documented command, shrunk, leaves files in ~/.cache/lightning-ddpm (the commands run with a $HOME of
     their own): --smoke's reference statistics belong to a throwaway classifier (49 MB each, one per suite run,
     before sampling.py kept them in its temp folder)."""
+    if not runner.futures:
+        pytest.skip("no documented command ran in this session (select test_documented_command too)")
     runner.wait()
     left = sorted(p.relative_to(runner.home) for p in (runner.home / ".cache" / "lightning-ddpm").rglob("*"))
     assert not left, left

@@ -144,12 +144,17 @@ def compute_metrics(
 # --- the reference statistics cache ---------------------------------------------------------------
 
 
+def _key_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """A source's fields as the cache key holds them, nested sources too: `root` resolved, `download` left out."""
+    out = {k: _key_fields(v) if isinstance(v, dict) else v for k, v in fields.items() if k != "download"}
+    if out.get("root"):
+        out["root"] = str(Path(out["root"]).expanduser().resolve())
+    return out
+
+
 def reference_key(source: Source, *, image_size: int, channels: int | None, extractor: str) -> dict[str, Any]:
     """What the cached statistics depend on: the source (its class and fields), resolution, extractor."""
-    fields = dataclasses.asdict(source) if dataclasses.is_dataclass(source) else {}  # type: ignore[arg-type]
-    fields.pop("download", None)
-    if fields.get("root"):
-        fields["root"] = str(Path(fields["root"]).expanduser().resolve())
+    fields = _key_fields(dataclasses.asdict(source) if dataclasses.is_dataclass(source) else {})  # type: ignore[arg-type]
     return {
         "format": CACHE_FORMAT,
         "source": type(source).__name__,

@@ -1,8 +1,8 @@
 """Sampling from a trained run: `sample(cfg)` is sample.py (run.py); run-time policy, what `auto` means on this
 device and guidance checks naming config keys, is runtime.py.
 
-`sample` is imported on first use (PEP 562): run.py pulls in torchvision (its grid), whose import costs seconds
-of start-up that the scripts using only runtime.py (the benchmarks) need not pay."""
+`sample` is imported on first use (PEP 562): run.py pulls in the metrics, config validation and Hydra's
+instantiate, start-up the scripts that use only runtime.py (the benchmarks) need not pay."""
 
 from typing import Any
 
