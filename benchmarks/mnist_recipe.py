@@ -45,6 +45,7 @@ from ddpm.metrics.bootstrap import (
     Reference,
     SetStatistics,
     bootstrap,
+    draws,
     mean_paired_ratio,
     paired_ratio,
     resample_weights,
@@ -124,13 +125,15 @@ def draw(path: Path, sampler: str, guidance: float, args: argparse.Namespace, de
 
 
 def scored(extractor, terms: Reference, images: torch.Tensor, labels, weights, file: Path, extra: dict) -> tuple:
-    """(SetStatistics, bootstrap intervals) of a set of images, its features kept in `file`."""
+    """((SetStatistics, its draws), bootstrap intervals) of a set of images, its features kept in `file`; the draws
+    (bootstrap.draws over `weights`) serve its intervals and every paired ratio it takes part in."""
     if not file.is_file():
         features, logits = extractor(images)
         torch.save({"features": features, "logits": logits, "labels": labels, **extra}, file)
     saved = torch.load(file, weights_only=True)
     stats = SetStatistics(terms, saved["features"], logits=saved["logits"], labels=saved["labels"])
-    return stats, {k: v.as_dict() for k, v in bootstrap(stats, weights).items()}, saved
+    drawn = draws(stats, weights)
+    return (stats, drawn), {k: v.as_dict() for k, v in bootstrap(stats, weights, drawn=drawn).items()}, saved
 
 
 def spread(values: list[float]) -> dict:
@@ -156,14 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
             Path(tmp) / "classifier.pt" if args.smoke else common.RESULTS / "mnist_classifier.pt",
             source=source, limit=1000 if args.smoke else None, epochs=1 if args.smoke else 4)  # fmt: skip
         extractor = classifier_extractor(path).to(device)
-        cache = tmp if args.smoke and args.cache_dir == DEFAULT_CACHE_DIR else args.cache_dir  # smoke: no cache files
+        cache = common.reference_cache(args.cache_dir, smoke=args.smoke, tmp=tmp)
         reference = reference_stats(source, image_size=32, channels=1, extractor=extractor, cache_dir=cache)
         terms, weights = Reference.of(reference), resample_weights(args.num_samples, args.resamples, seed=args.seed)
         data = source.load(image_size=32, channels=1)
         held = held_out_split(len(data.images))[0][: args.num_samples]
         _, floor, _ = scored(extractor, terms, data.images[held], data.labels[held], weights,
                              features_dir / f"floor_{extractor.name}_{args.num_samples}.pt", {})  # fmt: skip
-        rows, pairs = [], {}  # pairs: (key, w) -> [(this run's set, its reference or baseline set)], one per run
+        rows, pairs = [], {}  # (key, w) -> [((set, draws), (its reference or baseline set, draws))], one per run
         for i, path in enumerate(runs):
             tag = row_tag(path)
             base = None
@@ -175,19 +178,21 @@ def main(argv: list[str] | None = None) -> dict:
                 row = measure_row(path, args.sampler, g, args, device, extractor, terms, weights, features_dir, tag)
                 stats = row.pop("stats")
                 if base is not None and g == 0:
-                    row["vs_reference"] = paired_ratio(stats, base, weights).as_dict()
+                    row["vs_reference"] = ratio(stats, base, weights)
                     pairs.setdefault(("vs_reference", g), []).append((stats, base))
                 if baselines:
                     other = baselines[i]
                     before = measure_row(other, args.sampler, g, args, device, extractor, terms, weights, features_dir,
                                          row_tag(other))  # fmt: skip
                     row["baseline"] = str(other)
-                    row["vs_baseline"] = paired_ratio(stats, before["stats"], weights).as_dict()
+                    row["vs_baseline"] = ratio(stats, before["stats"], weights)
                     pairs.setdefault(("vs_baseline", g), []).append((stats, before["stats"]))
                 rows.append(row)
                 print(f"{path}: {args.sampler} w={g:g} cfid {row['cfid']['value']:.2f} accuracy "
                       f"{row['accuracy']['value']:.3f}", flush=True)  # fmt: skip
-    pooled = {key: mean_paired_ratio(group, weights).as_dict() for key, group in pairs.items()}
+    pooled = {key: mean_paired_ratio([(a, b) for (a, _), (b, _) in group], weights,
+                                     drawn=[(da, db) for (_, da), (_, db) in group]).as_dict()
+              for key, group in pairs.items()}  # fmt: skip
     summary = summarise(rows, pooled)
     report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
               "sampler": args.sampler, "guidance_interval": args.guidance_interval, "reference": args.reference,
@@ -199,6 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         guidance_curve(report, args.plot)
     return report
+
+
+def ratio(a: tuple, b: tuple, weights: torch.Tensor) -> dict:
+    """paired_ratio of two (SetStatistics, draws) sets, with the draws computed once."""
+    return paired_ratio(a[0], b[0], weights, drawn=(a[1], b[1])).as_dict()
 
 
 def row_tag(path: Path) -> str:

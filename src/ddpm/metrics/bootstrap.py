@@ -187,16 +187,19 @@ def mean_paired_ratio(
     *,
     metric: Literal["fid", "kid"] = "fid",
     level: float = 0.95,
+    drawn: list[tuple[dict[str, Tensor], dict[str, Tensor]]] | None = None,
 ) -> Percentiles:
     """The mean over K pairs (a_k, b_k) of metric(a_k) / metric(b_k), e.g. K training seeds each against its own
     reference sampler, with one interval: in every resample each pair's ratio is taken as paired_ratio takes it and
     the K ratios are averaged. Every set is resampled with the same counts `weights` (image i of every set shares its
     label and initial noise), so the interval is over the images with the K models held fixed; the spread between
-    the models is theirs to report (min-max)."""
+    the models is theirs to report (min-max). `drawn`: each pair's (draws(a_k, weights), draws(b_k, weights)) computed
+    before."""
     if not pairs:
         raise ValueError("mean_paired_ratio needs at least one (a, b) pair")
     name = "c" + metric
     ones = torch.ones(pairs[0][0].n, dtype=torch.float64)
     value = sum(getattr(a, metric)(ones) / getattr(b, metric)(ones) for a, b in pairs) / len(pairs)
-    drawn = torch.stack([draws(a, weights)[name] / draws(b, weights)[name] for a, b in pairs]).mean(0)
-    return percentile_interval(value, drawn.tolist(), level=level)
+    drawn = [(draws(a, weights), draws(b, weights)) for a, b in pairs] if drawn is None else drawn
+    mean = torch.stack([drawn_a[name] / drawn_b[name] for drawn_a, drawn_b in drawn]).mean(0)
+    return percentile_interval(value, mean.tolist(), level=level)
