@@ -156,10 +156,9 @@ TRAIN_SHRINK = [
 GRID_SHRINK = ["callbacks.sample_grid.every_n_steps=2", "callbacks.sample_grid.num_samples=4",
                "callbacks.sample_grid.sampler.steps=2"]  # fmt: skip
 NO_GRID = ("hparams_search=mnist_quality",)  # presets that set callbacks.sample_grid: null
-# callbacks.fid: at the last step, K = 50 images of 2 sampler steps (hparams_search=mnist_quality's objective, named
-# val/cfid@K, follows K)
+# callbacks.fid: at the last step, K = 50 images of 2 sampler steps (hparams_search=mnist_quality's objective,
+# val/cfid@${callbacks.fid.num_samples}, follows K)
 FID_SHRINK = ["callbacks.fid.every_n_steps=2", "callbacks.fid.sampler.steps=2", "callbacks.fid.num_samples=50"]
-FID_OBJECTIVE_SHRINK = {"hparams_search=mnist_quality": "objective=val/cfid@50"}
 FID = ("callbacks.fid", "callbacks/fid", "hparams_search=mnist_quality")  # commands with the FID callback
 RAM_DATA_SHRINK = ["data.limit=64"]  # the preloaded sources (digits, mnist, cifar10, image_folder)
 STREAM_DATA_SHRINK = ["data.epoch_length=64", "data.shuffle_buffer=16"]  # data=webdataset (no data.limit)
@@ -227,7 +226,6 @@ def train_shrink(text: str, run_dir: str) -> list[str]:
     shrink += STREAM_DATA_SHRINK if "data=webdataset" in text else RAM_DATA_SHRINK
     if any(k in text for k in FID):  # the reference statistics cached in the run's temp folder, not in ~/.cache
         shrink += [*FID_SHRINK, f"callbacks.fid.cache_dir={run_dir}_fid_cache"]
-        shrink += [o for key, o in FID_OBJECTIVE_SHRINK.items() if key in text]
     options = {"ckpt_path=": RESUME_SHRINK, "hparams_search=": OPTUNA_SHRINK, "tune=lr_find": LR_FIND_SHRINK}
     return shrink + [o for key, more in options.items() if key in text for o in more]
 
