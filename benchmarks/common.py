@@ -319,6 +319,14 @@ class FirstImages:
                         num_classes=data.num_classes)  # fmt: skip
 
 
+def reference_cache(cache_dir: str, *, smoke: bool, tmp: str | Path) -> str | Path:
+    """Where reference statistics are cached: `cache_dir`, but under --smoke the temp folder `tmp` unless a cache
+    folder was named (smoke statistics belong to a throwaway classifier; they must not pile up in ~/.cache)."""
+    from ddpm.metrics.fid import DEFAULT_CACHE_DIR
+
+    return tmp if smoke and cache_dir == DEFAULT_CACHE_DIR else cache_dir
+
+
 def mnist_or_digits(root: str, *, allow_digits: bool, limit: int | None = None) -> tuple[Any, str]:
     """The MNIST IDX files under `root` as a data source, or scikit-learn's digits where allowed (--smoke); with
     `limit`, only their first `limit` images (FirstImages)."""

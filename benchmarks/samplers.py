@@ -286,7 +286,7 @@ def build_table(run: common.Run, args: argparse.Namespace, configs: list[str], t
         args.data_root, allow_digits=args.smoke, limit=common.SMOKE_IMAGES if args.smoke else None
     )
     extractor = get_classifier(args, source, tmp).to(run.device)
-    cache = tmp if args.smoke and args.cache_dir == DEFAULT_CACHE_DIR else args.cache_dir  # smoke: none in ~/.cache
+    cache = common.reference_cache(args.cache_dir, smoke=args.smoke, tmp=tmp)
     reference = reference_stats(source, image_size=net.image_size, channels=net.in_channels, extractor=extractor,
                                 cache_dir=cache)  # fmt: skip
     key = {"ckpt": str(args.ckpt.resolve()), "ckpt_bytes": args.ckpt.stat().st_size, "num_samples": args.num_samples,

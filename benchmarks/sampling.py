@@ -177,7 +177,7 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
             limit=1000 if args.smoke else None,
         )
         extractor = classifier_extractor(path)
-        cache = tmp if args.smoke else DEFAULT_CACHE_DIR  # --smoke: its quick classifier's statistics die with it
+        cache = common.reference_cache(DEFAULT_CACHE_DIR, smoke=args.smoke, tmp=tmp)
         reference = reference_stats(source, image_size=first.shape[-1], channels=first.shape[1], extractor=extractor,
                                     cache_dir=cache)  # fmt: skip
     weights = resample_weights(len(first), args.resamples, seed=0)
