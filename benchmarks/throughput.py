@@ -4,7 +4,7 @@
     python benchmarks/throughput.py --model unet_tiny --steps 30 --rows same_bare_fp32,same_lightning_fp32,data_only \
         --repeats 5          # rows interleaved 5 times; medians, and the overhead as the median of paired ratios
 
-Rows (--rows, comma-separated; default all):
+Rows (--rows, comma-separated; default all but the two diffusers rows):
   disk_fp32               bare eager float32 loop, PNG files read with PIL every step (DataLoader), TF32 off
   ram_fp32                ... images preloaded as one uint8 tensor (RAM), scaled on the device
   ram_tf32                ... float32 with TF32 matmuls/convolutions (GPUs of capability >= 8.0)
@@ -14,6 +14,8 @@ Rows (--rows, comma-separated; default all):
   ram_bf16_channels_last  ... NHWC weights and inputs
   ram_bf16_math_attn      ... fused attention off (SDPA math kernel: materialises the attention map)
   full                    the whole recipe at once: RAM, bf16, 4x batch, compile, channels_last, fused attention
+  ram_fp32_diffusers      ram_fp32 and ram_bf16 on diffusers' UNet2DModel with the same weights (model=diffusers_unet2d;
+  ram_bf16_diffusers        the diffusers extra, and a preset UNet2DModel expresses: not seed_mnist, unet64)
   lightning_bf16          the same model through our Trainer (DiffusionModule + RAMDataModule), bf16-mixed
   lightning_full          the whole recipe through our Trainer (module.compile, module.channels_last, bf16-mixed)
   lightning_compile       our Trainer with what experiment=mnist picks on a CPU with native bf16: bf16-mixed and
@@ -105,6 +107,7 @@ ROWS = {
     "paired_fp32": Row("paired", data="datamodule"),
     "data_only": Row("data", data="datamodule"),
 }
+DIFFUSERS_ROWS = [name for name, row in ROWS.items() if row.net == "diffusers"]  # only when named: the extra, a twin
 
 
 def step_flops(net: nn.Module, batch: int, device: torch.device) -> float:
@@ -130,13 +133,21 @@ def load_images(net: UNet, count: int) -> ImageSet:
     return ImageSet(data.images.repeat(repeat, 1, 1, 1)[:count], data.labels.repeat(repeat)[:count], 10)
 
 
-def diffusers_twin(base: UNet, arguments: dict[str, Any]) -> torch.nn.Module:
+def diffusers_twin(base: UNet, arguments: dict[str, Any], model: str) -> torch.nn.Module:
     """model=diffusers_unet2d with `base`'s arguments and weights (ddpm.weights.unet2d_mapping): the same network, as
-    diffusers' UNet2DModel computes it (same parameters and outputs to float rounding)."""
-    from ddpm.models.diffusers_unet import DiffusersUNet2D
+    diffusers' UNet2DModel computes it (same parameters and outputs to float rounding). A preset UNet2DModel cannot
+    express, or no diffusers, stops the run before anything is timed, naming why and the rows to drop."""
+    from ddpm.models.diffusers_unet import DiffusersUNet2D, NotUNet2D, unet2d_config
     from ddpm.weights.unet2d_mapping import to_unet2d_state
 
-    twin = DiffusersUNet2D(**arguments)
+    try:
+        unet2d_config(arguments)  # NotUNet2D names what UNet2DModel cannot express (e.g. a level that does not halve)
+        twin = DiffusersUNet2D(**{k: v for k, v in arguments.items() if k != "downsample"})  # all true: checked
+    except (NotUNet2D, ImportError) as error:
+        raise SystemExit(
+            f"--rows {','.join(DIFFUSERS_ROWS)} need a diffusers twin of --model {model}: {error}; "
+            "leave those rows out (the default does)"
+        ) from error
     twin.unet.load_state_dict(to_unet2d_state(base.state_dict(), arguments))
     return twin
 
@@ -281,14 +292,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--images", type=int, default=4096, help="images in the dataset (digits, repeated)")
     parser.add_argument("--disk-workers", type=int, default=2, help="DataLoader workers of the PNG-file row")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
-    common.add_arguments(parser, rows=list(ROWS))
+    common.add_arguments(parser, rows=list(ROWS), default_rows=[n for n in ROWS if n not in DIFFUSERS_ROWS])
     run = common.start(__file__, parser, argv, rows=ROWS, smoke=SMOKE)
     args, device, names = run.args, run.device, run.rows
     torch.manual_seed(0)
     preset = OmegaConf.to_container(OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml"))
     base: UNet = instantiate(preset)
     arguments = {k: v for k, v in preset.items() if k != "_target_"}
-    twin = diffusers_twin(base, arguments) if any(ROWS[n].net == "diffusers" for n in names) else None
+    twin = diffusers_twin(base, arguments, args.model) if any(ROWS[n].net == "diffusers" for n in names) else None
     data = load_images(base, args.images)
     runs = common.run_interleaved(
         names,
