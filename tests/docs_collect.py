@@ -12,12 +12,15 @@ Commands in backticks inside prose are not collected.
 steps on 64 images, grids of 4 samples x 2 steps, FID of 50 samples x 2 steps, sample.py at 4 samples x 2 steps,
 2 Optuna trials; every benchmark script `--smoke --out <tmp>/<name>.json`) and its outputs (run folders, caches)
 sent to temp folders.
+A benchmark command that differs from an earlier one only in options its script's --smoke sets (SMOKE_TWINS: e.g.
+the `--device cuda` commands of three presets) is not run again: its test takes the earlier one's run.
 Placeholders (`outputs/<date>/<time>/`, `outputs/.../`, `<run>`, `<mnist run>`, a dated run folder, a classifier
 file) are filled from runs made first (`FIXTURES`: themselves documented commands). A command that cannot run here
 is in NOT_RUN with the reason; a documented command that fails because of a bug in code goes to XFAIL (strict)
 with the bug.
 """
 
+import ast
 import re
 import shlex
 from dataclasses import dataclass
@@ -134,6 +137,45 @@ XFAIL: dict[str, str] = {}
 
 def not_run_reason(text: str) -> str | None:
     return next((reason for key, reason in NOT_RUN.items() if text.startswith(key)), None)
+
+
+def smoke_overrides(script: str) -> set[str]:
+    """The options a benchmark's --smoke sets whatever the command says: its module-level SMOKE dict, as flags."""
+    for node in ast.parse((REPO / script).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SMOKE" for t in node.targets):
+            return {"--" + key.replace("_", "-") for key in ast.literal_eval(node.value)}
+    return set()
+
+
+def smoke_key(text: str) -> str | None:
+    """A benchmark command without the options (and their values) its --smoke overrides: commands with the same key
+    run the same smoke (docs/benchmarks.md's `--device cuda` commands differ only in --model and sizes)."""
+    tokens = shlex.split(text)
+    if tokens[:1] != ["python"] or len(tokens) < 2 or not tokens[1].startswith("benchmarks/"):
+        return None
+    drop, kept, skip = smoke_overrides(tokens[1]), [], False
+    for token in tokens[2:]:
+        if skip:
+            skip = False
+        elif token.split("=", 1)[0] in drop:
+            skip = "=" not in token
+        else:
+            kept.append(token)
+    return " ".join(tokens[:2] + kept)
+
+
+def smoke_twins(commands: list[Command]) -> dict[str, str]:
+    """{command: the earlier command whose smoke it would repeat}: run once, not once per place it is written."""
+    first: dict[str, str] = {}
+    twins = {}
+    for command in commands:
+        key = None if not_run_reason(command.text) else smoke_key(command.text)
+        if key is not None:
+            twins[command.text] = first.setdefault(key, command.text)
+    return {text: earlier for text, earlier in twins.items() if text != earlier}
+
+
+SMOKE_TWINS = smoke_twins(COMMANDS)
 
 
 def command_id(command: Command) -> str:

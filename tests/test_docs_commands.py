@@ -9,10 +9,11 @@ import importlib.util
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
-from docs_collect import COMMANDS, NOT_RUN, XFAIL, Command, command_id, not_run_reason, shrunk
+from docs_collect import COMMANDS, NOT_RUN, SMOKE_TWINS, XFAIL, Command, command_id, not_run_reason, shrunk
 from docs_runner import Runner, compose_and_build, run_list
 from helpers import REPO, run
 
@@ -29,7 +30,7 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     for item in request.session.items:
         command = getattr(item, "callspec", None) and item.callspec.params.get("command")
         if item.path == Path(__file__) and isinstance(command, Command) and not not_run_reason(command.text):
-            runner.start(command)
+            runner.start(runs(command))
     yield runner
     runner.close()
 
@@ -45,6 +46,12 @@ def says_skipped(row: str, output: str) -> bool:
     return re.search(rf"(?im)^.*(skip.*\b({names})\b|\b({names})\b.*skip)", output) is not None
 
 
+def runs(command: Command) -> Command:
+    """The command whose shrunk run stands for `command`: itself, or the earlier one whose --smoke it repeats."""
+    earlier = SMOKE_TWINS.get(command.text)
+    return command if earlier is None else next(c for c in COMMANDS if c.text == earlier)
+
+
 @pytest.mark.parametrize("command", params())
 def test_documented_command(command: Command, runner: Runner, tmp_path: Path) -> None:
     """The command runs (shrunk) and exits 0, or it is in NOT_RUN and its config composes and builds."""
@@ -52,8 +59,10 @@ def test_documented_command(command: Command, runner: Runner, tmp_path: Path) ->
     if reason is not None:
         RESULTS[command.text] = f"composed only ({reason}): {compose_and_build(command, tmp_path)}"
         return
-    outcome = runner.outcome(command)
+    outcome = runner.outcome(runs(command))
     RESULTS[command.text] = f"{'ran' if outcome.ok else 'FAILED'} in {outcome.seconds:.0f} s"
+    if command.text in SMOKE_TWINS:  # the same smoke as an earlier command (its --smoke overrides what differs)
+        RESULTS[command.text] += f" (as {command_id(runs(command))}: the same --smoke)"
     assert outcome.ok, f"{command.source}: `{command.text}` failed:\n{outcome.report()}"
     if "ckpt_path=" in command.text:  # it resumed the run made first (not a fresh start)
         assert "Resuming " in outcome.output, outcome.report()
@@ -111,6 +120,32 @@ def test_collection_finds_the_documented_commands() -> None:
     assert not [t for t in texts if t.startswith("python benchmarks/") and not_run_reason(t)], NOT_RUN
     for key in XFAIL:
         assert key in texts, f"XFAIL names a command no doc shows: {key}"
+
+
+def options(text: str) -> dict[str, str]:
+    """`--name value` / `--name=value` pairs of a command line (flags with no value map to "")."""
+    tokens, found = shlex.split(text)[2:], {}
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            name, _, value = token.partition("=")
+            following = tokens[i + 1] if i + 1 < len(tokens) else "--"
+            found[name] = value or ("" if following.startswith("--") else following)
+    return found
+
+
+def test_a_smoke_twin_differs_from_the_command_that_runs_for_it_only_in_what_smoke_sets() -> None:
+    """A command run as an earlier one (SMOKE_TWINS) differs from it only in options its script's --smoke sets
+    (the SMOKE dict, imported here from the script itself), so the one run is the run each would make."""
+    assert SMOKE_TWINS, "docs/benchmarks.md's --device cuda commands are twins"
+    for text, earlier in SMOKE_TWINS.items():
+        script = shlex.split(text)[1]
+        spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        spec.loader.exec_module(module)
+        mine, theirs = options(text), options(earlier)
+        differ = {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+        assert differ and differ <= {"--" + k.replace("_", "-") for k in module.SMOKE}, (text, earlier, differ)
 
 
 def test_print_run_list() -> None:
