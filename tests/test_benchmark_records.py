@@ -58,3 +58,35 @@ def test_record_names_a_clean_commit_whose_script_produced_it(name):
     assert git("cat-file", "-e", f"{p['commit']}^{{commit}}").returncode == 0, f"{name}: {p['commit']} not in history"
     assert blob_sha256(p["commit"], p["script"]) == p["script_sha256"], f"{name}: {p['script']} differs at the commit"
     assert blob_sha256(p["commit"], "benchmarks/common.py") == p["common_sha256"], f"{name}: common.py differs"
+
+
+DEVICE = RESULTS / "device"
+DEVICE_RECORDS = sorted(p.name for p in DEVICE.glob("*.json"))
+
+
+def device_table() -> dict[str, str]:
+    """docs/benchmarks.md's table of records from a lent GPU machine: JSON name -> the commit whose tree ran."""
+    text = DOCS.read_text()
+    if "| device JSON | tree of commit |" not in text:
+        return {}
+    table = text[text.index("| device JSON | tree of commit |") :].split("\n\n", 1)[0]
+    rows = [line.split("|") for line in table.splitlines()[2:]]
+    return {re.findall(r"`([\w.]+\.json)`", r[1])[0]: re.findall(r"`([0-9a-f]{7,40})`", r[2])[0] for r in rows}
+
+
+def test_every_device_record_is_in_the_docs_table_and_the_table_names_only_records():
+    assert set(device_table()) == set(DEVICE_RECORDS)
+
+
+@pytest.mark.skipif(git("rev-parse", "--is-shallow-repository").stdout.strip() == b"true", reason="shallow clone")
+@pytest.mark.parametrize("name", DEVICE_RECORDS)
+def test_device_record_was_produced_by_the_scripts_of_the_commit_the_docs_name(name):
+    # A lent GPU machine runs a copy of the working tree whose git metadata may be older than the tree (so the record
+    # says dirty and needed --allow-dirty): what ties it to the code is the script and common.py it hashed, which must
+    # be the blobs of the commit docs/benchmarks.md names, and it must be a full run (not --smoke) on a GPU.
+    p = json.loads((DEVICE / name).read_text())["provenance"]
+    commit = device_table()[name]
+    assert git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0, f"{name}: {commit} not in history"
+    assert blob_sha256(commit, p["script"]) == p["script_sha256"], f"{name}: {p['script']} differs at {commit}"
+    assert blob_sha256(commit, "benchmarks/common.py") == p["common_sha256"], f"{name}: common.py differs at {commit}"
+    assert p["smoke"] is False and p["device"] == "cuda" and p["gpu"], name
