@@ -174,7 +174,7 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
             image_size=first.shape[-1],
             channels=first.shape[1],
             epochs=args.classifier_epochs,
-            limit=1000 if args.smoke else None,
+            limit=common.SMOKE_IMAGES if args.smoke else None,
         )
         extractor = classifier_extractor(path)
         cache = common.reference_cache(DEFAULT_CACHE_DIR, smoke=args.smoke, tmp=tmp)
