@@ -107,7 +107,7 @@ ROWS = {
     "paired_fp32": Row("paired", data="datamodule"),
     "data_only": Row("data", data="datamodule"),
 }
-DIFFUSERS_ROWS = [name for name, row in ROWS.items() if row.net == "diffusers"]  # only when named: the extra, a twin
+DIFFUSERS_ROWS = [name for name, row in ROWS.items() if row.net == "diffusers"]  # run only when --rows names them
 
 
 def step_flops(net: nn.Module, batch: int, device: torch.device) -> float:

@@ -139,28 +139,48 @@ def not_run_reason(text: str) -> str | None:
     return next((reason for key, reason in NOT_RUN.items() if text.startswith(key)), None)
 
 
-def smoke_overrides(script: str) -> set[str]:
-    """The options a benchmark's --smoke sets whatever the command says: its module-level SMOKE dict, as flags."""
-    for node in ast.parse((REPO / script).read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SMOKE" for t in node.targets):
-            return {"--" + key.replace("_", "-") for key in ast.literal_eval(node.value)}
-    return set()
+def smoke_values(script: str) -> dict[str, object]:
+    """A benchmark's module-level SMOKE dict ({} if it has none, or none written as a literal), keyed by flag."""
+    try:
+        body = ast.parse((REPO / script).read_text()).body
+        for node in body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SMOKE" for t in node.targets):
+                return {"--" + key.replace("_", "-"): value for key, value in ast.literal_eval(node.value).items()}
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return {}
+
+
+def number(text: str) -> int | float | None:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None
 
 
 def smoke_key(text: str) -> str | None:
-    """A benchmark command without the options (and their values) its --smoke overrides: commands with the same key
-    run the same smoke (docs/benchmarks.md's `--device cuda` commands differ only in --model and sizes)."""
+    """A benchmark command as its --smoke runs it (benchmarks/common.py's shrink: a number becomes at most the SMOKE
+    value, anything else becomes it): commands with the same key run the same smoke (docs/benchmarks.md's `--device
+    cuda` commands differ only in --model and sizes above the caps). A numeric option left out keeps its default, so
+    it is not the same as one given at or above the cap."""
     tokens = shlex.split(text)
     if tokens[:1] != ["python"] or len(tokens) < 2 or not tokens[1].startswith("benchmarks/"):
         return None
-    drop, kept, skip = smoke_overrides(tokens[1]), [], False
-    for token in tokens[2:]:
-        if skip:
-            skip = False
-        elif token.split("=", 1)[0] in drop:
-            skip = "=" not in token
-        else:
-            kept.append(token)
+    smoke, kept, i = smoke_values(tokens[1]), [], 2
+    while i < len(tokens):
+        name, eq, value = tokens[i].partition("=")
+        if name not in smoke:
+            kept.append(tokens[i])
+            i += 1
+            continue
+        if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            value, i = tokens[i + 1], i + 1
+        cap, given = smoke[name], number(value)
+        if isinstance(cap, int | float) and not isinstance(cap, bool):
+            kept.append(f"{name}={cap if given is None or given >= cap else given}")
+        i += 1
     return " ".join(tokens[:2] + kept)
 
 

@@ -70,8 +70,15 @@ def device_table() -> dict[str, str]:
     if "| device JSON | tree of commit |" not in text:
         return {}
     table = text[text.index("| device JSON | tree of commit |") :].split("\n\n", 1)[0]
-    rows = [line.split("|") for line in table.splitlines()[2:]]
-    return {re.findall(r"`([\w.]+\.json)`", r[1])[0]: re.findall(r"`([0-9a-f]{7,40})`", r[2])[0] for r in rows}
+    found = {}
+    for line in table.splitlines()[2:]:
+        cells = line.split("|")
+        names = re.findall(r"`([\w.]+\.json)`", cells[1]) if len(cells) > 2 else []
+        commits = re.findall(r"`([0-9a-f]{7,40})`", cells[2]) if len(cells) > 2 else []
+        bad = f"docs/benchmarks.md's device table: not a `NAME.json` | `commit` row: {line!r}"
+        assert len(names) == 1 and len(commits) == 1, bad
+        found[names[0]] = commits[0]
+    return found
 
 
 def test_every_device_record_is_in_the_docs_table_and_the_table_names_only_records():
@@ -90,3 +97,8 @@ def test_device_record_was_produced_by_the_scripts_of_the_commit_the_docs_name(n
     assert blob_sha256(commit, p["script"]) == p["script_sha256"], f"{name}: {p['script']} differs at {commit}"
     assert blob_sha256(commit, "benchmarks/common.py") == p["common_sha256"], f"{name}: common.py differs at {commit}"
     assert p["smoke"] is False and p["device"] == "cuda" and p["gpu"], name
+    # the tree that ran was the named commit's: every file that differs between the commit its git metadata named and
+    # the named commit is among the changes that metadata listed (so the record's tree can be the named commit's)
+    differ = git("diff", "--name-only", p["commit"], commit).stdout.decode().split()
+    listed = {change[3:].strip('"') for change in p["changes"]}
+    assert set(differ) <= listed, f"{name}: {sorted(set(differ) - listed)} differ from {commit} but were not changed"

@@ -2,7 +2,6 @@
 timing on every preset, and a diffusers row on a preset diffusers' UNet2DModel cannot express stops before anything
 is timed, naming why (a real subprocess, as a user runs it)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ class Timing(Exception):
 def test_the_default_rows_of_every_gpu_command_reach_the_timing(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # docs/benchmarks.md's three `--device cuda` commands name no rows; two of them used to die building a diffusers
     # twin their preset cannot have. Each now gets as far as the images, with no twin built.
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import throughput
 
     def twin(*args):
