@@ -152,11 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         features_dir = args.features_dir or (Path(tmp) if args.smoke else common.REPO / "outputs/recipe_features")
         features_dir.mkdir(parents=True, exist_ok=True)
-        limit = common.SMOKE_IMAGES if args.smoke else None
-        source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke, limit=limit)
-        path = args.classifier or classifier_file(
+        source, data_name = common.mnist_or_digits(
+            args.data_root, allow_digits=args.smoke, limit=common.SMOKE_IMAGES if args.smoke else None
+        )
+        path = args.classifier or classifier_file(  # under --smoke `source` holds only its first SMOKE_IMAGES
             Path(tmp) / "classifier.pt" if args.smoke else common.RESULTS / "mnist_classifier.pt",
-            source=source, limit=limit, epochs=1 if args.smoke else 4)  # fmt: skip
+            source=source, epochs=1 if args.smoke else 4)  # fmt: skip
         extractor = classifier_extractor(path).to(device)
         cache = common.reference_cache(args.cache_dir, smoke=args.smoke, tmp=tmp)
         reference = reference_stats(source, image_size=32, channels=1, extractor=extractor, cache_dir=cache)

@@ -76,9 +76,7 @@ def get_classifier(args: argparse.Namespace, source, tmp: Path) -> FeatureExtrac
     if args.classifier:
         return classifier_extractor(args.classifier)
     path = tmp / "classifier.pt" if args.smoke and not args.save_classifier.is_file() else args.save_classifier
-    return classifier_extractor(
-        classifier_file(path, source=source, epochs=args.epochs, limit=common.SMOKE_IMAGES if args.smoke else None)
-    )
+    return classifier_extractor(classifier_file(path, source=source, epochs=args.epochs))  # smoke: source is cut
 
 
 def nfe_cost(name: str, guidance: float) -> int:

@@ -173,8 +173,7 @@ def score(results: list[dict], args: argparse.Namespace) -> None:
             source=source,
             image_size=first.shape[-1],
             channels=first.shape[1],
-            epochs=args.classifier_epochs,
-            limit=common.SMOKE_IMAGES if args.smoke else None,
+            epochs=args.classifier_epochs,  # under --smoke `source` holds only its first SMOKE_IMAGES
         )
         extractor = classifier_extractor(path)
         cache = common.reference_cache(DEFAULT_CACHE_DIR, smoke=args.smoke, tmp=tmp)
