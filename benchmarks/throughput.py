@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     preset = OmegaConf.to_container(OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml"))
     base: UNet = instantiate(preset)
     arguments = {k: v for k, v in preset.items() if k != "_target_"}
-    twin = diffusers_twin(base, arguments, args.model) if any(ROWS[n].net == "diffusers" for n in names) else None
+    twin = diffusers_twin(base, arguments, args.model) if set(names) & set(DIFFUSERS_ROWS) else None
     data = load_images(base, args.images)
     runs = common.run_interleaved(
         names,
