@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from docs_collect import COMMANDS, NOT_RUN, SMOKE_TWINS, XFAIL, Command, command_id, not_run_reason, shrunk
+from docs_collect import COMMANDS, NOT_RUN, SMOKE_TWINS, XFAIL, Command, command_id, not_run_reason, number, shrunk
 from docs_runner import Runner, compose_and_build, run_list
 from helpers import REPO, run
 
@@ -133,6 +133,12 @@ def options(text: str) -> dict[str, str]:
     return found
 
 
+def as_typed(text: str) -> object:
+    """A command-line value as argparse's type=int/float would give it (docs_collect.number), else the text."""
+    value = number(text)
+    return text if value is None else value
+
+
 def test_a_smoke_twin_runs_what_the_command_that_runs_for_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A command run as an earlier one (SMOKE_TWINS) gives, after benchmarks/common.py's own shrink with its
     script's SMOKE dict (both imported here from the files themselves), the same values as that earlier command,
@@ -140,14 +146,6 @@ def test_a_smoke_twin_runs_what_the_command_that_runs_for_it_runs(monkeypatch: p
     assert SMOKE_TWINS, "docs/benchmarks.md's --device cuda commands are twins"
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import common
-
-    def number(text: str) -> object:
-        for kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-        return text
 
     for text, earlier in SMOKE_TWINS.items():
         script = shlex.split(text)[1]
@@ -158,7 +156,7 @@ def test_a_smoke_twin_runs_what_the_command_that_runs_for_it_runs(monkeypatch: p
         ran = []
         for line in (text, earlier):
             given = options(line)
-            args = argparse.Namespace(**{key: number(given[f]) for f, key in flags.items() if f in given})
+            args = argparse.Namespace(**{key: as_typed(given[f]) for f, key in flags.items() if f in given})
             common.shrink(args, module.SMOKE)
             ran.append((vars(args), {f: v for f, v in given.items() if f not in flags}))
         assert ran[0] == ran[1], (text, earlier, ran)
