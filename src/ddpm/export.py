@@ -69,6 +69,12 @@ class y unguided, and y = null unconditional samples:
             x = scheduler.step(out, t, x, eta=0.0, use_clipped_model_output=True).prev_sample
     images = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (B, C, H, W)
 
+The folder is written whole or not at all: into a hidden folder beside `out` (`.<name>.tmp-<host>-<pid>`), swapped
+in once complete. An earlier export at `out` stays byte for byte until then and is replaced; a folder holding
+anything else (another project's diffusers pipeline, other files) is refused and left untouched. A killed export
+leaves `out` as it was; the next export removes its hidden leftovers. A full disk or a file-size limit is an error
+naming the file, the bytes the folder needs and the bytes free.
+
 `ddpm.weights.load_model(folder)` reads such a folder back without diffusers (JSON and safetensors only), and so
 does it a folder diffusers itself saved (a UNet2DModel of our UNet's family, a DDPMScheduler or DDIMScheduler of
 our linear or cosine schedule), so sample.py can take ckpt=<folder>.
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> Path:
         loaded = load_model(settings["ckpt"])
         reason = fallback_reason(dict(loaded.config["model"]), dict(loaded.config["diffusion"]))
         out = export_diffusers(loaded, settings["out"])
-    except (CheckpointError, FileExistsError, ValueError) as error:
+    except (CheckpointError, OSError, ValueError) as error:  # OSError: a refused folder, a failed write (WriteError)
         parser.exit(1, f"python -m ddpm.export: {error}\n")
     if reason is None:
         print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)")

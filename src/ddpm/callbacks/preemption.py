@@ -1,17 +1,27 @@
-"""Preemption: on SIGTERM or SIGUSR1, save a checkpoint at the next optimizer-step boundary and exit.
+"""Preemption and Ctrl-C: on SIGTERM, SIGUSR1 or SIGINT, save a checkpoint at the next optimizer-step boundary and
+exit; a second Ctrl-C exits at once.
 
 Schedulers warn before they kill: SLURM sends SIGUSR1 (`--signal=USR1@90`) or SIGTERM, Kubernetes
-and most clouds SIGTERM. The handler only sets a flag; the checkpoint is written by the training
-loop after the next optimizer step (never between accumulated micro-batches, whose gradients a
-checkpoint does not hold), to `<checkpoint dir>/last.ckpt`, through the trainer's CheckpointIO.
-The process then exits with EXIT_PREEMPTED; `python train.py ckpt_path=last` continues the run.
+and most clouds SIGTERM; a person at a terminal presses Ctrl-C (SIGINT). The handler only sets a flag; the
+checkpoint is written by the training loop after the next optimizer step (never between accumulated
+micro-batches, whose gradients a checkpoint does not hold), to `<checkpoint dir>/last.ckpt`, through the
+trainer's CheckpointIO. The process then exits with 128 + the signal (EXIT_INTERRUPTED = 130 for Ctrl-C,
+EXIT_PREEMPTED = 143 for SIGTERM and SIGUSR1); `python train.py ckpt_path=<that last.ckpt>` continues the run.
+A signal during the last step lets the run finish normally (ema.pt is written, exit 0).
 
-Lightning's own SIGTERM handler would stop after the current micro-batch with exit status 0;
-this callback replaces it for the duration of `fit`. Under SLURM with
-`SLURMEnvironment(auto_requeue=True)` Lightning handles SIGUSR1 itself (checkpoint and
-`scontrol requeue`), so this callback leaves that signal to it.
+Ctrl-C says at once that it will save, and that a second Ctrl-C exits without saving: the second raises
+`Interrupted` (exit 130) wherever the process is (a save in progress is atomic: it leaves the previous file).
+SIGINT is handled from `on_fit_start`, before the sanity check and before any DataLoader worker is forked;
+workers inherit the handler and ignore the signal (the terminal sends Ctrl-C to the whole process group, and a
+worker that died of it would crash the main process with "DataLoader worker exited unexpectedly"). SIGTERM and
+SIGUSR1 are handled from `on_train_start`, after Lightning installed its own SIGTERM handler: this callback
+replaces it (Lightning's would stop after the current micro-batch with exit status 0 and no checkpoint). Under
+SLURM with `SLURMEnvironment(auto_requeue=True)` Lightning handles the requeue signal itself (checkpoint and
+`scontrol requeue`), so this callback leaves that signal to it. Every handler is given back when fit ends.
 """
 
+import contextlib
+import os
 import signal
 from pathlib import Path
 from types import FrameType
@@ -23,53 +33,103 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved, resume with ckpt_path=last"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (the shell's convention), with or without the checkpoint
 
 
 class Preempted(SystemExit):
-    """Raised after the preemption checkpoint is on disk; exits the process with EXIT_PREEMPTED."""
+    """Raised after the preemption checkpoint is on disk; exits the process with `code` (143, or 130 for Ctrl-C)."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(EXIT_PREEMPTED)
+    def __init__(self, path: Path, code: int = EXIT_PREEMPTED) -> None:
+        super().__init__(code)
         self.path = path
 
 
-class Preemption(Callback):
-    """Turns SIGTERM / SIGUSR1 into 'checkpoint at the next step boundary, then exit EXIT_PREEMPTED'."""
+class Interrupted(SystemExit):
+    """A second Ctrl-C: exits at once with EXIT_INTERRUPTED, without a checkpoint."""
 
-    def __init__(self, *, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")) -> None:  # signal names to handle
+    def __init__(self) -> None:
+        super().__init__(EXIT_INTERRUPTED)
+
+
+def exit_code(signum: int) -> int:
+    """The exit status after a signal's checkpoint: 130 for SIGINT, 143 (EXIT_PREEMPTED) for the others."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+class Preemption(Callback):
+    """Turns SIGTERM / SIGUSR1 / SIGINT into 'checkpoint at the next step boundary, then exit'; a second SIGINT
+    exits at once."""
+
+    def __init__(self, *, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> None:  # signals to handle
         unknown = [s for s in signals if not hasattr(signal, s)]
         if unknown:
-            raise ValueError(f"callbacks.preemption.signals: unknown signal names {unknown}; use e.g. SIGTERM, SIGUSR1")
+            raise ValueError(f"callbacks.preemption.signals: unknown signal names {unknown}; use e.g. SIGTERM, SIGINT")
         self.signals = tuple(signals)
-        self.received: int | None = None  # the signal number received, if any
+        self.received: int | None = None  # the first signal number received, if any
         self._previous: dict[int, Any] = {}
+        self._pid: int | None = None  # the process that installed the handlers (forked workers inherit them)
+        self._announce = False  # rank 0 says what a Ctrl-C does
+        self._last: Path | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
+        if os.getpid() != self._pid:
+            return  # a DataLoader worker forked from this process: the main process decides
+        if signum == signal.SIGINT and self.received is not None:
+            self._say(
+                f"Second Ctrl-C: exiting at once ({EXIT_INTERRUPTED}) without a checkpoint; "
+                + (f"the last one is {self._last}" if self._last and self._last.is_file() else "no last.ckpt was saved")
+            )
+            raise Interrupted()
+        if self.received is None:
+            self.received = signum
+        if signum == signal.SIGINT:
+            self._say(
+                f"Ctrl-C: saving {self._last} after the current optimizer step, then exiting ({EXIT_INTERRUPTED}); "
+                "press Ctrl-C again to exit at once without saving"
+            )
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _say(self, message: str) -> None:
+        """Straight to stderr's file descriptor: a signal handler must not re-enter a buffered stream."""
+        if self._announce:
+            with contextlib.suppress(OSError):
+                os.write(2, f"\n{message}\n".encode())
+
+    def _install(self, trainer: pl.Trainer, names: list[str]) -> None:
         environment = trainer._accelerator_connector.cluster_environment
         slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        for name in self.signals:
+        for name in names:
             signum = getattr(signal, name)
             if slurm_requeue and signum == environment.requeue_signal:
                 continue  # Lightning checkpoints and requeues on this one
             try:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread: leave signals to Lightning
                 return
+            self._previous.setdefault(signum, previous)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.received, self._pid = None, os.getpid()
+        self._announce, self._last = trainer.is_global_zero, last_checkpoint_path(trainer)
+        self._install(trainer, [name for name in self.signals if name == "SIGINT"])
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer, [name for name in self.signals if name != "SIGINT"])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         received = self._broadcast(trainer)
         if received is None or trainer.fit_loop.epoch_loop._should_accumulate():
             return
+        name = signal.Signals(received).name
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            rank_zero_info(f"Received {name} at the last step (trainer.max_steps={trainer.max_steps}): finishing")
+            return
         path = last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
         rank_zero_info(
-            f"Received {signal.Signals(received).name}: saved {path} at step {trainer.global_step}; exiting with "
-            f"{EXIT_PREEMPTED}. Resume with: python train.py ckpt_path={path}"
+            f"Received {name}: saved {path} at step {trainer.global_step}; exiting with {exit_code(received)}. "
+            f"Resume with: python train.py ckpt_path={path}"
         )
-        raise Preempted(path)
+        raise Preempted(path, exit_code(received))
 
     def _broadcast(self, trainer: pl.Trainer) -> int | None:
         """Rank 0's view wins, so every rank stops at the same step (and saves the same checkpoint)."""
@@ -77,11 +137,22 @@ class Preemption(Callback):
             return self.received
         return trainer.strategy.broadcast(self.received, src=0)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _restore(self) -> None:
         for signum, handler in self._previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
         self._previous = {}
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning's teardown, which follows, puts back the handlers it found when fit began (SIGINT: ours)
+        original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {})
+        for signum, handler in self._previous.items():
+            if original.get(signum) == self._handle:
+                original[signum] = handler
+        self._restore()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> Path:

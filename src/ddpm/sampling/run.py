@@ -1,10 +1,16 @@
 """sample(cfg): load a run's EMA weights, draw images, write grid.png and samples.npz (and metrics.json).
 
+Before anything is drawn, output_dir must be writable (created, a probe file written) and its disk must have room
+for the outputs; the outputs are written atomically (whole or absent).
+
 Under torchrun every rank draws a disjoint, batch-aligned share of the images (same images as one
 process); rank 0 gathers them, writes the files and measures the metrics (`metrics=[fid,kid,is]`).
 """
 
+import errno
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +35,7 @@ from ddpm.sampling.runtime import (
     resolve_sampling_precision,
 )
 from ddpm.weights import load_model
-from ddpm.weights.atomic import atomic_write, atomic_write_text
+from ddpm.weights.atomic import WriteError, atomic_write, atomic_write_text
 from ddpm.weights.model import instantiate_local
 
 SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
@@ -60,6 +66,36 @@ def resolve_batch_size(batch_size: int | str | None, device: torch.device, *, gu
     if int(batch_size) <= 0:
         raise ValueError(f"batch_size={batch_size} must be > 0 (or auto)")
     return int(batch_size)
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Before anything is drawn: `out_dir` is created if missing and a probe file created and removed in it; a
+    WriteError naming output_dir otherwise (a read-only folder, a path under a file, no permission)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise WriteError(
+            error.errno or errno.EACCES,
+            f"output_dir={out_dir} cannot be written ({error.strerror or error}), so grid.png and samples.npz could "
+            "not be saved; nothing was drawn. Pass a folder you can write: output_dir=<folder>",
+        ) from error
+
+
+def check_room(out_dir: Path, num_samples: int, image_shape: tuple[int, int, int]) -> None:
+    """Before anything is drawn: the disk of `out_dir` has room for samples.npz (uint8, uncompressed) and grid.png
+    (at most 256 images with borders, written as PNG: at most its raw size)."""
+    channels, height, width = image_shape
+    needed = num_samples * channels * height * width + min(num_samples, 256) * channels * (height + 2) * (width + 2)
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        raise WriteError(
+            errno.ENOSPC,
+            f"output_dir={out_dir} has {free:,} bytes free, but num_samples={num_samples} images of {image_shape} "
+            f"need about {needed:,} bytes (samples.npz and grid.png); nothing was drawn. Free disk space, pass "
+            "output_dir=<folder on a disk with room> or draw fewer (num_samples)",
+        )
 
 
 def write_outputs(out: Generated, out_dir: Path, nrow: int) -> None:
@@ -117,6 +153,7 @@ def sample(cfg: DictConfig) -> Generated:
     if world()[0] == 0:  # before any work: never over another call's images (ddpm.run_dir's rule)
         claim(Path(cfg.output_dir), ckpt_path=None, overwrite=bool(cfg.get("overwrite", False)), patterns=SAMPLE_FILES,
               key="output_dir")  # fmt: skip
+        check_output_dir(Path(cfg.output_dir))
     created = init_from_env()
     try:
         return _sample(cfg)
@@ -140,6 +177,8 @@ def _sample(cfg: DictConfig) -> Generated:
     channels_last = bool(cfg.get("channels_last", True))
     if channels_last:  # in place: this network is sample.py's own; before compiling (the graph keeps the layout)
         net = net.to(memory_format=torch.channels_last)
+    if world()[0] == 0:
+        check_room(Path(cfg.output_dir), cfg.num_samples, (net.in_channels, net.image_size, net.image_size))
     try:
         out = _draw(cfg, net, diffusion, labels, batch_size, precision, compiled, device, interval)
     except NonFiniteSamplesError as error:

@@ -23,20 +23,31 @@ import torch
 
 from ddpm.models.diffusers_unet import NotUNet2D
 from ddpm.models.unet import UNet
+from ddpm.weights.atomic import atomic_folder, tensor_bytes
 from ddpm.weights.diffusers_files import (
     RUN_CONFIG,
+    WEIGHTS,
     diffusion_from_scheduler,
     read_json,
     read_weights,
     rebuild,
     scheduler_config,
 )
-from ddpm.weights.diffusers_native import UNET_TARGET, native_unet2d_config, write_native
+from ddpm.weights.diffusers_native import NATIVE_UNET, UNET_TARGET, native_unet2d_config, write_native
 from ddpm.weights.model import CheckpointError, LoadedModel
 
 ADAPTER = ["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]
 EDM_TARGET = "ddpm.diffusion.edm.EDMDiffusion"
 LEGACY_ADAPTERS = (ADAPTER, ["ddpm.diffusers_adapter", "DDPMUNet2DModel"])  # folders exported before the move
+# Every file an export writes, in order (diffusers' save_pretrained: each component, then model_index.json; then
+# ddpm_config.json); a folder holding any other is not ours to replace.
+EXPORT_FILES = (
+    "unet/config.json",
+    f"unet/{WEIGHTS}",
+    "scheduler/scheduler_config.json",
+    "model_index.json",
+    RUN_CONFIG,
+)
 # UNet arguments that describe the network (checkpoint_activations is a training-time switch, left out).
 UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in ("self", "checkpoint_activations")]
 
@@ -80,24 +91,62 @@ def fallback_reason(model_config: dict[str, Any], diffusion_config: dict[str, An
 
 
 def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bool = False) -> Path:
-    """Write the diffusers pipeline folder of `loaded` (a run's EMA model) at `out` (created; a previous export is
-    replaced): native UNet2DModel where `fallback_reason` is None and not `adapter`, else the adapter folder."""
+    """Write the diffusers pipeline folder of `loaded` (a run's EMA model) at `out`: native UNet2DModel where
+    `fallback_reason` is None and not `adapter`, else the adapter folder. Whole or not at all (atomic_folder: a
+    hidden folder beside `out`, swapped in when complete); a previous export at `out` is replaced, any other
+    folder refused (check_replaceable)."""
     out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "model_index.json").is_file())):
-        raise FileExistsError(f"out={out} exists and is not an export folder; pass a new or empty folder")
+    check_replaceable(out)
     model_config = dict(loaded.config["model"])
-    if not adapter and fallback_reason(model_config, dict(loaded.config["diffusion"])) is None:
-        return write_native(loaded, out)
+    native = not adapter and fallback_reason(model_config, dict(loaded.config["diffusion"])) is None
+    size = tensor_bytes(loaded.net.state_dict()) + 2 * len(json.dumps(scheduler_config(loaded.diffusion)))
+    fix = "Free disk space, or pass another out=<folder> (on a disk with room)"
+    write = write_native if native else write_adapter
+    return atomic_folder(out, lambda folder: write(loaded, folder), size=size, fix=fix, files=EXPORT_FILES)
+
+
+def write_adapter(loaded: LoadedModel, out: Path) -> Path:
+    """The adapter folder of `loaded` at `out` (diffusers' save_pretrained, plus ddpm_config.json)."""
     from diffusers import DDPMPipeline, DDPMScheduler
 
     from ddpm.weights.diffusers_adapter import DDPMUNet2DModel
 
-    unet = DDPMUNet2DModel(**unet_arguments(model_config), **edm_arguments(loaded.diffusion))
+    unet = DDPMUNet2DModel(**unet_arguments(dict(loaded.config["model"])), **edm_arguments(loaded.diffusion))
     unet.net.load_state_dict(loaded.net.state_dict())
     scheduler = DDPMScheduler(**scheduler_config(loaded.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
     (out / RUN_CONFIG).write_text(json.dumps(loaded.config, indent=2) + "\n")
     return out
+
+
+def check_replaceable(out: Path) -> None:
+    """FileExistsError unless `out` is missing, empty, or one of our exports, whole or cut short by a kill (every
+    file one an export writes; its model_index.json, where there is one, names our unet beside ddpm_config.json).
+    Another project's diffusers pipeline, or any other file, is never replaced."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise FileExistsError(
+            f"out={out} exists and is not an export folder (a file or link); nothing was written. Pass a new folder"
+        )
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()) if out.exists() else []
+    others = [name for name in files if name not in EXPORT_FILES]
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(
+            f"out={out} exists and is not an export folder: it holds {shown}, which python -m ddpm.export does "
+            "not write; nothing was written. Pass a new or empty folder (or delete that one first)"
+        )
+    if "model_index.json" not in files:
+        return  # empty, or an export killed before it wrote model_index.json (diffusers writes it last)
+    try:
+        unet = json.loads((out / "model_index.json").read_text()).get("unet")
+    except (OSError, ValueError, AttributeError):
+        unet = "unreadable"
+    if RUN_CONFIG not in files or unet not in (NATIVE_UNET, *LEGACY_ADAPTERS):
+        raise FileExistsError(
+            f"out={out} holds a diffusers pipeline that python -m ddpm.export did not write (model_index.json's unet "
+            f"{unet}{'' if RUN_CONFIG in files else f', no {RUN_CONFIG}'}): it is not replaced and nothing was "
+            "written. Pass a new or empty folder (or delete that one first)"
+        )
 
 
 def load_export(folder: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
