@@ -103,6 +103,13 @@ def test_optuna_sweep_runs_two_trials_into_sqlite(tmp_path: Path) -> None:
     values = sorted(json.loads((job / "result.json").read_text())["val/loss"] for job in jobs)
     assert values == pytest.approx(sorted(t.value for t in trials))
     assert (sweep / "summary.csv").is_file()
+    # The same command again continues the study (README: "sqlite: rerun continues"): a third trial, in its own folder
+    train("hparams_search=optuna", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}", *tiny,
+          "callbacks.sample_grid=null", extra_env=wandb_dirs(tmp_path))  # fmt: skip
+    study = optuna.load_study(study_name="ddpm", storage=f"sqlite:///{sweep}/optuna.db")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert len(list(sweep.glob("*/config.yaml"))) == 3
+    assert len((sweep / "summary.csv").read_text().splitlines()) == 1 + 3
 
 
 @pytest.mark.slow

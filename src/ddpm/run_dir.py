@@ -11,7 +11,8 @@ the resume (`ckpt_path=<folder>/checkpoints/last.ckpt`) and a new `hydra.run.dir
 `RunFolderGuard` (a Hydra callback, conf/train.yaml) applies the rule before Hydra writes `.hydra/` into the
 folder (Hydra turns a callback's exception into a warning, so a refusal there is a SystemExit); `train()` applies
 it again, to runs started without Hydra, to multirun jobs, and to checkpoint folders outside the run folder. A
-sweep folder (`hydra.sweep.dir`) that holds an earlier sweep is refused, or moved aside, the same way.
+sweep folder (`hydra.sweep.dir`) that holds an earlier sweep is refused, or moved aside, the same way, except an
+Optuna study's own folder, which the same command continues (`continues_study`).
 Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed.
 """
 
@@ -114,6 +115,17 @@ def claim_run(output_dir: Path, *, ckpt_path: Path | None, overwrite: bool, chec
                   key="callbacks.checkpoint.dirpath")  # fmt: skip
 
 
+def continues_study(config: DictConfig) -> bool:
+    """Whether this multirun continues an Optuna study stored in its sweep folder (`hparams_search=optuna`: the same
+    command again adds trials, each in its own timestamped job folder, so nothing of the earlier trials is
+    overwritten)."""
+    storage = config.hydra.get("sweeper", {}).get("storage")
+    if not (isinstance(storage, str) and storage.startswith("sqlite:///")):
+        return False
+    database = Path(storage.removeprefix("sqlite:///"))
+    return database.is_file() and inside(database, Path(config.hydra.sweep.dir))
+
+
 class RunFolderGuard(Callback):
     """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring)."""
 
@@ -122,7 +134,7 @@ class RunFolderGuard(Callback):
             self._claim(Path(config.hydra.run.dir), config, RUN_FILES, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if first_process():
+        if first_process() and not continues_study(config):
             self._claim(Path(config.hydra.sweep.dir), config, SWEEP_FILES, "hydra.sweep.dir")
 
     @staticmethod

@@ -1,14 +1,28 @@
-"""Experiment bookkeeping: W&B run names and groups from Hydra, and the end-of-sweep summary table.
+"""Experiment bookkeeping: W&B run names and groups from Hydra, the objective's check, the sweep summary table.
 
-`SweepSummary` is a Hydra callback (conf/train.yaml, `hydra.callbacks.summary`). Each job writes
-`result.json` (its overrides, status and objective) into its own output folder, on whichever machine
-runs it, so the summary works for every launcher; at the end of a multirun the callback collects the
-`result.json` files under the sweep directory into `summary.csv`, sorted best first, and prints it.
+`SweepSummary` is a Hydra callback (conf/train.yaml, `hydra.callbacks.summary`). Each job writes `result.json` (its
+overrides, status, objective and, for a failed job, the error on one line and its traceback) into its own output
+folder, on whichever machine runs it, so the summary works for every launcher. In a multirun each job's end also
+rewrites `summary.csv` in the sweep directory from every `result.json` there (best first, failed jobs last with
+their error), and the multirun's end writes it again and prints it: the table exists however the sweep ends.
+
+Exit status of a sweep with failed jobs: Hydra's BasicSweeper (`-m a=1,2`) runs every job of its batch, then
+re-raises the first failed job's error (hydra/_internal/core_plugins/basic_sweeper.py: `r.return_value` of a
+FAILED JobReturn, hydra/core/utils.py), before the callbacks' `on_multirun_end`: the sweep exits 1, and this
+callback prints the table when the process exits. An Optuna study (ddpm.optuna_sweeper) records a failed trial
+and goes on: it exits 0 unless `hydra.sweeper.max_failures` is reached or no trial completed.
+
+`check_objective` refuses an `objective` the run will never log, before the first step (train() calls it).
 """
 
+import atexit
 import csv
+import difflib
+import inspect
+import io
 import json
 import math
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +30,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from hydra.utils import get_class
 from omegaconf import DictConfig, open_dict
+
+from ddpm.weights.atomic import atomic_write_text
 
 RESULT_FILE = "result.json"
 SUMMARY_FILE = "summary.csv"
+MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
+FID_NAMES = {"fid": ("fid",), "kid": ("kid", "kid_std"), "is": ("is", "is_std")}  # ddpm.metrics.fid.compute_metrics
+SHOWN_CHARS = 70  # characters of a cell (an error) in the printed table; summary.csv has all
 
 
 def name_wandb_run(cfg: DictConfig) -> None:
@@ -48,43 +68,129 @@ def finish_wandb(loggers: list[Any]) -> None:
             logger.experiment.finish()
 
 
+def check_objective(resolved: dict[str, Any]) -> None:
+    """Refuse a top-level `objective` that no part of the run logs, before any data is read or step taken (in a
+    sweep every job would otherwise train in full, then fail); ddpm.training.objective_value checks the value
+    after fit, as the guard of last resort."""
+    objective = resolved.get("objective") or "val/loss"
+    keys = logged_metrics(resolved)
+    if objective in keys:
+        return
+    closest = difflib.get_close_matches(objective, keys, n=1, cutoff=0.0)[0]
+    raise ValueError(
+        f"objective={objective!r} is not a metric this run logs, so it would train to the end and then fail; it "
+        f"logs {keys}: did you mean objective={closest}? (val/fid@K and val/cfid@K need the FID callback, "
+        "+callbacks/fid=inception or +callbacks/fid=classifier; K is callbacks.fid.num_samples as logged: 500, 1k)"
+    )
+
+
+def logged_metrics(resolved: dict[str, Any]) -> list[str]:
+    """The metrics an objective may name: DiffusionModule's val/loss and train/loss, and each FID callback's."""
+    conditional = (resolved.get("model") or {}).get("num_classes") is not None
+    nodes = [node for node in (resolved.get("callbacks") or {}).values() if _is_fid(node)]
+    return [*MODULE_METRICS, *(key for node in nodes for key in fid_metrics(node, conditional=conditional))]
+
+
+def fid_metrics(node: dict[str, Any], *, conditional: bool) -> list[str]:
+    """What a `ddpm.callbacks.fid.FID` config logs: `val/<c><metric>@<K>` as compute_metrics names them (c for a
+    classifier's features; K by count_tag: 500, 1k, 10k), and `val/accuracy@K` for a classifier on a
+    conditional model."""
+    from ddpm.callbacks.fid import FID
+    from ddpm.metrics.fid import count_tag
+
+    settings = {name: p.default for name, p in inspect.signature(FID).parameters.items()} | node
+    tag, classifier = count_tag(int(settings["num_samples"])), settings["features"] != "inception"
+    prefix = "c" if classifier else ""
+    keys = [f"val/{prefix}{name}@{tag}" for metric in settings["metrics"] for name in FID_NAMES.get(metric, ())]
+    return keys + ([f"val/accuracy@{tag}"] if classifier and conditional else [])
+
+
+def _is_fid(node: Any) -> bool:
+    from ddpm.callbacks.fid import FID
+
+    target = node.get("_target_") if isinstance(node, dict) else None
+    try:
+        return isinstance(target, str) and issubclass(get_class(target), FID)
+    except (ImportError, ValueError, TypeError):
+        return False
+
+
+def error_line(error: BaseException) -> str:
+    """`Type: message` on one line (a message's lines joined), for result.json, summary.csv and the logs."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def write_result(folder: Path, overrides: list[str], job_return: JobReturn, objective: str) -> Path:
+    """`folder/result.json`: overrides, status, the objective's value; a failed job's error and traceback."""
+    completed = job_return.status == JobStatus.COMPLETED
+    value = job_return._return_value  # the public property re-raises a failed job's error
+    error = value if isinstance(value, BaseException) and not completed else None
+    result = {
+        "overrides": overrides,
+        "status": job_return.status.name,
+        objective: float(value) if completed and isinstance(value, int | float) else None,
+        "error": error_line(error) if error is not None else None,
+        "traceback": "".join(traceback.format_exception(error)) if error is not None else None,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")  # never half-read
+
+
 class SweepSummary(Callback):
-    """Writes each job's result.json; after a multirun, summary.csv (best first) in the sweep directory."""
+    """Writes each job's result.json; in a multirun, summary.csv (best first) after every job and at the end."""
 
     def __init__(self, *, objective: str = "val/loss", direction: str = "minimize") -> None:
         if direction not in ("minimize", "maximize"):
             raise ValueError(f"hydra.callbacks.summary.direction={direction!r} must be minimize or maximize")
         self.objective, self.direction = objective, direction
+        self._sweep_dir: Path | None = None  # set while a multirun runs
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Before the sweeper starts: Optuna's sqlite storage lives in the sweep directory.
-        Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
+        self._sweep_dir = Path(config.hydra.sweep.dir)
+        self._sweep_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self._report_stopped)  # the sweeper raised: Hydra exits before on_multirun_end
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         hydra = HydraConfig.get()
-        completed = job_return.status == JobStatus.COMPLETED
-        value = job_return.return_value if completed else None
-        result = {
-            "overrides": list(hydra.overrides.task),
-            "status": job_return.status.name,
-            self.objective: float(value) if isinstance(value, int | float) else None,
-        }
-        path = Path(hydra.runtime.output_dir) / RESULT_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(Path(hydra.runtime.output_dir), list(hydra.overrides.task), job_return, self.objective)
+        if hydra.mode == RunMode.MULTIRUN:
+            self.write(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
+        atexit.unregister(self._report_stopped)
+        self._sweep_dir = None
+        self.report(Path(config.hydra.sweep.dir), stopped=False)
+
+    def _report_stopped(self) -> None:
+        if self._sweep_dir is not None:
+            self.report(self._sweep_dir, stopped=True)
+
+    def write(self, sweep_dir: Path) -> list[dict[str, Any]]:
+        """summary.csv from the result.json files under `sweep_dir` (atomic: jobs may end at the same time)."""
         rows = collect(sweep_dir, self.objective, maximize=self.direction == "maximize")
+        if rows:
+            write_summary(rows, sweep_dir / SUMMARY_FILE)
+        return rows
+
+    def report(self, sweep_dir: Path, *, stopped: bool) -> None:
+        """Write summary.csv and print it, with a line on the failed jobs."""
+        rows = self.write(sweep_dir)
         if not rows:
             return
-        path = write_summary(rows, sweep_dir / SUMMARY_FILE)
-        print(f"\nSweep summary ({self.objective}, {self.direction}; best first): {path}")
+        path = sweep_dir / SUMMARY_FILE
+        how = "; the sweep stopped with the error above" if stopped else ""
+        print(f"\nSweep summary ({self.objective}, {self.direction}; best first{how}): {path}")
         print(format_table(rows))
+        failed = [row["job"] for row in rows if row["status"] != JobStatus.COMPLETED.name]
+        if failed:
+            print(f"{len(failed)} of {len(rows)} jobs failed ({', '.join(failed)}): {path.name} gives each one's "
+                  f"error, its {RESULT_FILE} the traceback")  # fmt: skip
 
 
 def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[dict[str, Any]]:
-    """One row per job under `sweep_dir`: job folder, each override, status, objective; best first."""
+    """One row per job under `sweep_dir`: job folder, each override, objective, status, error; best first."""
     rows = []
     for path in sorted(sweep_dir.rglob(RESULT_FILE)):
         if any(part.startswith("replaced-") for part in path.relative_to(sweep_dir).parts):
@@ -93,7 +199,7 @@ def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[
         overrides = dict(item.split("=", 1) for item in result["overrides"] if "=" in item)
         value = result.get(objective)
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **overrides, objective: value,
-                     "status": result["status"]})  # fmt: skip
+                     "status": result["status"], "error": result.get("error")})  # fmt: skip
 
     def key(row: dict[str, Any]) -> float:
         value = row[objective]
@@ -106,15 +212,15 @@ def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[
 
 def write_summary(rows: list[dict[str, Any]], path: Path) -> Path:
     columns = list(dict.fromkeys(column for row in rows for column in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(path, text.getvalue())  # whole: jobs of a parallel launcher may end together
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Rows as an aligned plain-text table (readable in SLURM logs and CI output)."""
+    """Rows as an aligned plain-text table (readable in SLURM logs and CI output); long errors cut short."""
     columns = list(dict.fromkeys(column for row in rows for column in row))
     cells = [columns] + [[_cell(row.get(column)) for column in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
@@ -124,4 +230,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."

@@ -5,20 +5,35 @@ LambdaLR for an exponential schedule from `min_lr` to `max_lr`, records the smoo
 each step, stops when that loss exceeds `early_stop_threshold` times its minimum, and restores the
 initial weights. We suggest the LR at the loss minimum divided by `divisor` (about a tenth), a more
 conservative choice than Lightning's steepest-descent point for a noisy diffusion loss.
+
+The suggestion holds only when the minimum lies inside the tested range, with the loss falling before it and
+rising (or turning NaN) after it. `LRRangeWarning` says when the minimum is at an edge of the range instead:
+- the first step considered: the first `skip` steps (a tenth, at most 10) are left out, because their running
+  average rests on a few noisy losses, so the lower edge is step `skip` (the first finite loss from there). A
+  minimum there means the loss never fell: the range starts too high; lower `tune.lr_find.min_lr`.
+- the last step recorded: the loss was still falling when the test ended, at `max_lr`; raise
+  `tune.lr_find.max_lr`. A test stopped early by `early_stop_threshold` ends on a loss above that multiple of
+  its minimum, and a loss that turned NaN ends on NaNs after its last finite value: in both the loss turned
+  after its minimum, which is then inside the range (the divergence is the range's useful top), not an edge.
 """
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from ddpm.precision import resolve_precision
 from ddpm.weights.atomic import atomic_write, atomic_write_text
+
+
+class LRRangeWarning(UserWarning):
+    """The loss minimum of the LR range test is at an edge of the tested range: the suggestion is unreliable."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,9 @@ class LRFindResult:
     losses: list[float]  # smoothed training loss of each step
     lr_at_min: float  # LR where the smoothed loss is lowest
     suggestion: float  # lr_at_min / divisor: the LR the optimizer should see
+    first: int = 0  # the first step considered (earlier ones are too noisy)
+    best: int = 0  # the step of the minimum
+    warning: str | None = None  # the minimum is at an edge of the range (LRRangeWarning's text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +76,41 @@ class LRRangeTest:
         )
         if finder is None:
             raise RuntimeError("tune=lr_find did not run (trainer.fast_dev_run is set); unset it")
-        lrs, losses = list(finder.results["lr"]), unbias([float(x) for x in finder.results["loss"]])
+        result = self.summarize(list(finder.results["lr"]), unbias([float(x) for x in finder.results["loss"]]))
+        if result.warning:
+            rank_zero_warn(result.warning, category=LRRangeWarning)
+        return result
+
+    def summarize(self, lrs: list[float], losses: list[float]) -> LRFindResult:
+        """The minimum of the smoothed `losses` (one per LR of `lrs`) after the first noisy steps, the suggestion,
+        and a warning when the minimum is at an edge of the range (module docstring)."""
         skip = min(10, len(losses) // 10)  # the first steps' average rests on a few noisy losses
         finite = [i for i, loss in enumerate(losses) if math.isfinite(loss) and i >= skip]
         if not finite:
             raise RuntimeError("tune=lr_find: every recorded loss is NaN/inf; lower tune.lr_find.min_lr")
         best = min(finite, key=losses.__getitem__)
-        return LRFindResult(lrs, losses, lrs[best], lrs[best] / self.divisor)
+        result = LRFindResult(lrs, losses, lrs[best], lrs[best] / self.divisor, first=finite[0], best=best)
+        return replace(result, warning=self.edge_warning(result))
+
+    def edge_warning(self, result: LRFindResult) -> str | None:
+        """The warning for a minimum at the first step considered or the last step recorded, else None."""
+        steps = len(result.losses)
+        where = f"{result.lr_at_min:.3g}, step {result.best + 1} of {steps} recorded"
+        if result.best == result.first:
+            return (
+                f"tune=lr_find: the smoothed loss is lowest at the first LR considered ({where}; the first "
+                f"{result.first} steps are left out as too noisy): it never fell over the range, so the suggested "
+                f"LR is unreliable. Lower tune.lr_find.min_lr (now {self.min_lr:g}; e.g. "
+                f"tune.lr_find.min_lr={self.min_lr / 100:g}) and run the test again"
+            )
+        if result.best == steps - 1:
+            return (
+                f"tune=lr_find: the smoothed loss was still falling at the last LR tested ({where}, of "
+                f"tune.lr_find.num_steps={self.num_steps}): the minimum is the range's edge, not the loss's, so the "
+                f"suggested LR is unreliable. Raise tune.lr_find.max_lr (now {self.max_lr:g}; e.g. "
+                f"tune.lr_find.max_lr={self.max_lr * 10:g}) and run the test again"
+            )
+        return None
 
 
 def unbias(smoothed: list[float], beta: float = 0.98) -> list[float]:
@@ -118,7 +164,8 @@ def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
     suggested = result.suggestion / scale
     if trainer.is_global_zero:
         plot = save_plot(result, output_dir / "lr_find.png")
-        record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested}
+        record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested,
+                  "warning": result.warning}  # fmt: skip
         atomic_write_text(output_dir / "lr_find.json", json.dumps(record) + "\n")
         print(
             f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g}; "
