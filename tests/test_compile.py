@@ -74,7 +74,7 @@ def test_compiled_training_does_not_recompile_after_warm_up(tmp_path):
     module = make_module(compile=True, compile_backend="eager")
     graphs = GraphCounts()
     fit(module, tmp_path, max_steps=8, callbacks=[graphs])
-    assert module.net._compiled_call_impl is not None  # compiled in place
+    assert module._loss_fn != module._loss  # the loss is compiled; the network module is untouched
     assert len(graphs.after_val) == 4 and graphs.after_val[0] >= 1
     warm = graphs.after_val[0]  # after step 2: the training graph and the validation graph exist
     assert graphs.after_batch[2:] == [warm] * (len(graphs.after_batch) - 2), graphs.after_batch
@@ -106,11 +106,13 @@ def test_checkpoints_move_between_compiled_and_eager(tmp_path):
         torch.testing.assert_close(compiled.net(x, t), out, rtol=1e-5, atol=1e-6)
     fresh = make_module(compile=True, compile_backend="eager")  # eager weights into a compiled model
     fresh.configure_model()
-    assert fresh.net._compiled_call_impl is not None
+    assert fresh._loss_fn != fresh._loss
     fresh.load_state_dict(eager.state_dict(), strict=True)
     assert_same_weights(fresh.state_dict(), eager.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(fresh.eval().net(x, t), out, rtol=1e-5, atol=1e-6)
+    noise, steps = torch.randn_like(x), torch.tensor([3, 70])  # the compiled loss against the eager one
+    eager.train(), fresh.train()
+    torch.testing.assert_close(fresh._loss_fn(x, steps, noise, None), eager._loss(x, steps, noise, None),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
 def test_channels_last_trains_with_nhwc_weights_and_inputs(tmp_path):
@@ -226,13 +228,18 @@ def test_auto_compile_is_on_where_measured_to_pay_off(monkeypatch, native, amx, 
     AVX512-BF16 without AMX); experiment=mnist asks for both autos, and the resolved config (what config.yaml
     records) holds the decisions."""
     use_cpu(monkeypatch, native=native, amx=amx)
-    assert precision.resolve_compile("auto", "cpu") is bf16
-    assert precision.resolve_compile("auto", "gpu") is True
+    on = "default" if bf16 else False  # inductor's default mode where it pays off
+    assert precision.resolve_compile("auto", "cpu") == on
+    assert precision.resolve_compile("auto", "gpu") == "default"
     assert precision.resolve_compile(False, "gpu") is False and precision.resolve_compile(True, "cpu") is True
-    with pytest.raises(ValueError, match=r"compile='yes' must be true, false or auto"):
+    assert precision.resolve_compile("reduce-overhead", "gpu") == "reduce-overhead"
+    with pytest.raises(ValueError, match=r"compile='yes' must be true, false, auto or one of \['default'"):
         precision.resolve_compile("yes", "cpu")
+    assert ("mode default" in precision.compile_note("default", "gpu")) and "off" in precision.compile_note(
+        False, "cpu"
+    )
     resolved = training.resolve_config(compose("train", ["experiment=mnist", "paths.output_dir=unused"]))
-    assert resolved["compile"] is bf16 and resolved["module"]["compile"] is bf16
+    assert resolved["compile"] == on and resolved["module"]["compile"] == on
     assert resolved["trainer"]["precision"] == ("bf16-mixed" if bf16 else "32-true")
     default = training.resolve_config(compose("train", ["paths.output_dir=unused"]))
     assert default["compile"] is False and default["module"]["compile"] is False

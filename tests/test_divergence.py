@@ -27,7 +27,7 @@ def drive(guard: NaNGuard, losses: list[float], grad_scale: float = 1.0) -> None
     checkpoint = SimpleNamespace(last_model_path="run/checkpoints/last.ckpt")
     trainer = SimpleNamespace(global_step=0, checkpoint_callback=checkpoint, fast_dev_run=False,
                               strategy=SimpleNamespace(reduce=lambda x, reduce_op: x),
-                              _logger_connector=SimpleNamespace(should_update_logs=False))  # fmt: skip
+                              _logger_connector=SimpleNamespace(should_update_logs=True))  # fmt: skip
     module = SimpleNamespace(log=lambda *a, **k: None)
     for step, loss in enumerate(losses):
         trainer.global_step = step

@@ -176,7 +176,7 @@ def test_nan_steps_are_skipped_and_counted(tmp_path: Path) -> None:
 
     module = Toy(nan_batches=(3, 4), hook=record)
     guard = NaNGuard(max_consecutive=3)
-    trainer = fit(tmp_path, module, [guard])
+    trainer = fit(tmp_path, module, [guard], log_every_n_steps=1)  # the count is read and logged at logged steps
     assert guard.skipped == 2 and guard.consecutive == 0
     assert trainer.callback_metrics["train/skipped_steps"] == 2
     # Adam's moments and step count: as batch 2's update left them, through the skipped batches 3 and 4.

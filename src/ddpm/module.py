@@ -1,4 +1,12 @@
-"""DiffusionModule: the LightningModule that owns the UNet, the schedule and the optimizer settings."""
+"""DiffusionModule: the LightningModule that owns the UNet, the schedule and the optimizer settings.
+
+`compile` compiles the training loss as one graph: q_sample (or EDM's scaling), the network and the weighted MSE,
+forward and backward (`torch.compile` of a function, so the network's parameter names, in checkpoints and the EMA,
+stay plain). The random draws of the step (timesteps, noise, label dropout) stay outside it, in eager torch, so a
+compiled run draws the same numbers as an eager one. Validation and the sample grids call the network eagerly: a
+second graph (eval mode, no gradients, other batch sizes) would cost another cold compile for a few calls. With a
+CUDA-graph mode (`reduce-overhead`, `max-autotune`) each step marks a new CUDA-graph iteration.
+"""
 
 from typing import Any
 
@@ -13,6 +21,7 @@ from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
+from ddpm.precision import CompileMode, compile_mode, uses_cudagraphs
 
 Batch = tuple[Tensor, Tensor]  # images (B, C, H, W) float in [-1, 1], labels (B,) int64
 
@@ -26,7 +35,7 @@ class DiffusionModule(pl.LightningModule):
         net: UNet,  # the denoising network
         diffusion: GaussianDiffusion | EDMDiffusion,  # schedule and objective (DDPM family or EDM)
         optim: AdamW,  # optimizer and LR schedule settings
-        compile: bool = False,  # torch.compile the network in place (configure_model)
+        compile: bool | CompileMode = False,  # torch.compile the training loss: false, true (= default) or a mode
         compile_backend: str = "inductor",  # torch.compile backend (tests use "eager" / "aot_eager")
         channels_last: bool = False,  # NHWC weights and inputs (faster convolutions on tensor cores)
         val_timesteps: int = 10,  # size of the fixed timestep grid of val/loss
@@ -37,19 +46,27 @@ class DiffusionModule(pl.LightningModule):
         if val_timesteps < 1:
             raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
         self.net, self.diffusion, self.optim = net, diffusion, optim
-        self.compile_net, self.val_seed = compile, val_seed
+        self.compile_mode, self.val_seed = compile_mode(compile), val_seed  # None: eager
         self.compile_backend, self.channels_last = compile_backend, channels_last
         grid = torch.linspace(0, diffusion.num_timesteps - 1, val_timesteps).round().long()
         self.register_buffer("val_grid", grid, persistent=False)  # (K,) timesteps of val/loss
+        # Labels outside 0..num_classes-1 seen so far: count, smallest, largest (on the device: no sync per step).
+        self.register_buffer("bad_labels", torch.tensor([0, 2**62, -(2**62)]), persistent=False)
         self.save_hyperparameters({"config": run_config or {}})
         self._checked = {"train": False, "val": False}
+        self._loss_fn = self._loss  # the compiled loss after configure_model, when compile is set
 
     def configure_model(self) -> None:
         if self.channels_last:
             self.net.to(memory_format=torch.channels_last)
-        # In place, so parameter names (checkpoints, EMA) carry no `_orig_mod.` prefix.
-        if self.compile_net and getattr(self.net, "_compiled_call_impl", None) is None:
-            self.net.compile(backend=self.compile_backend)
+        if self.compile_mode is not None and self._loss_fn == self._loss:
+            inductor = self.compile_backend == "inductor"  # modes are inductor's
+            self._loss_fn = torch.compile(self._loss, backend=self.compile_backend, dynamic=False,
+                                          mode=self.compile_mode if inductor else None)  # fmt: skip
+
+    def _loss(self, x0: Tensor, t: Tensor, noise: Tensor, y: Tensor | None) -> Tensor:
+        """The training loss of one batch (the function `compile` compiles): a float32 scalar."""
+        return self.diffusion.loss(self.net, x0, t, noise, y)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         return self.net(x, t, y)
@@ -57,9 +74,13 @@ class DiffusionModule(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x0, y = self._checked_batch(batch, "train")
         t = self.diffusion.sample_timesteps(x0.shape[0], x0.device)
-        loss = self.diffusion.loss(self.net, x0, t, torch.randn_like(x0), self._training_labels(y))
+        noise, labels = torch.randn_like(x0), self._training_labels(y)
+        if uses_cudagraphs(self.compile_mode):
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
+        loss = self._loss_fn(x0, t, noise, labels)
         if logs_this_step(self._trainer):  # the loggers' rows are the same; the other steps skip self.log's cost
-            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/loss", loss)  # not prog_bar: Lightning reads those every step (a host sync)
+            self.check_labels_seen()  # this step syncs anyway
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -68,14 +89,34 @@ class DiffusionModule(pl.LightningModule):
         t = self.val_grid[index % len(self.val_grid)]
         generator = torch.Generator().manual_seed(self.val_seed + batch_idx)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
-        loss = self.diffusion.loss(self.net, x0, t, noise, y if self.net.num_classes is not None else None)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        loss = self.diffusion.loss(self.net, x0, t, noise, self._valid_labels(y))
+        self.log("val/loss", loss, sync_dist=True)
         return loss
 
     def _training_labels(self, y: Tensor) -> Tensor | None:
-        if self.net.num_classes is None:
+        valid = self._valid_labels(y)
+        return None if valid is None else self.diffusion.drop_labels(valid, null_class=self.net.num_classes)
+
+    def _valid_labels(self, y: Tensor) -> Tensor | None:
+        """Labels in 0..num_classes-1 pass; any other is recorded (`bad_labels`, on the device) and replaced by the
+        null class, so that an embedding never reads outside its table (a device-side assert on CUDA) before the
+        next check (`check_labels_seen`) stops the run. None for an unconditional model."""
+        classes = self.net.num_classes
+        if classes is None:
             return None
-        return self.diffusion.drop_labels(y, null_class=self.net.num_classes)
+        valid = (y >= 0) & (y < classes)
+        seen = torch.stack([(~valid).sum(), y.min(), y.max()])
+        bad = self.bad_labels
+        bad.copy_(torch.stack([bad[0] + seen[0], torch.minimum(bad[1], seen[1]), torch.maximum(bad[2], seen[2])]))
+        return torch.where(valid, y, classes)
+
+    def check_labels_seen(self) -> None:
+        """Stop the run if a batch since the start held a label outside 0..num_classes-1 (one host sync: called at
+        logged steps, before a checkpoint is written and at the end of training and validation)."""
+        count, low, high = self.bad_labels.tolist()
+        if count:
+            raise ValueError(label_error(f"{count} label(s) in the training or validation batches", low, high,
+                                         self.net.num_classes))  # fmt: skip
 
     def _checked_batch(self, batch: Batch, split: str) -> Batch:
         if not self._checked[split]:
@@ -98,6 +139,21 @@ class DiffusionModule(pl.LightningModule):
         self.scaled_lr = self.optim.scaled_lr(global_batch)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        """trainer.gradient_clip_val, applied here (foreach kernels, no host sync): Lightning's mixed-precision
+        plugin refuses to clip for a fused optimizer (ours, see ddpm.optim), although by this hook the gradients
+        are unscaled under 16-mixed too (its GradScaler then passes the fused kernel only `found_inf`)."""
+        if not gradient_clip_val:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val, foreach=True)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
+
     def on_train_start(self) -> None:
         self._follow_lr_rule()
         self._follow_data_position()
@@ -107,7 +163,20 @@ class DiffusionModule(pl.LightningModule):
                 text = yaml.safe_dump(self.hparams.get("config") or {}, sort_keys=False)
                 logger.experiment.add_text("config", f"```yaml\n{text}```", global_step=self.global_step)
 
+    def setup(self, stage: str) -> None:
+        """The datamodule's whole label set against model.num_classes, before the first step (RAM data)."""
+        check = getattr(self.trainer.datamodule, "check_labels", None) if self._trainer is not None else None
+        if stage == "fit" and check is not None:
+            check(self.net.num_classes)
+
+    def on_train_end(self) -> None:
+        self.check_labels_seen()
+
+    def on_validation_epoch_end(self) -> None:
+        self.check_labels_seen()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_labels_seen()  # never a checkpoint of a run that trained on labels it cannot have
         # What a resume at another scale compares with (ddpm.resume.checkpoint_world).
         checkpoint["world"] = {"world_size": self.trainer.world_size, "global_batch": self.global_batch_size(),
                                "lr": self.scaled_lr}  # fmt: skip
@@ -162,7 +231,13 @@ def check_batch(batch: Batch, net: UNet) -> None:
             "yield uint8 images in [0, 255] (scaled on the device as x / 127.5 - 1)"
         )
     if net.num_classes is not None and (y.min() < 0 or y.max() >= net.num_classes):
-        raise ValueError(
-            f"labels span [{y.min().item()}, {y.max().item()}] but model.num_classes={net.num_classes}; "
-            f"set model.num_classes={y.max().item() + 1} (labels must be 0..num_classes-1)"
-        )
+        raise ValueError(label_error("the first batch's labels", int(y.min()), int(y.max()), net.num_classes))
+
+
+def label_error(what: str, low: int, high: int, num_classes: int) -> str:
+    """The message for labels outside 0..num_classes-1 (the label num_classes is the null class of guidance)."""
+    fix = f"set model.num_classes={high + 1}" if low >= 0 else "labels must be >= 0: check the dataset's labels"
+    return (
+        f"{what} span [{low}, {high}] but model.num_classes={num_classes}: labels must be 0..{num_classes - 1} "
+        f"(label {num_classes} is the null class of classifier-free guidance); {fix}, or remove those images"
+    )

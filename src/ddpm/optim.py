@@ -80,7 +80,7 @@ class AdamW:
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW (fused on CUDA) at the scaled LR, and a LambdaLR to step once per optimizer step (`total_steps`:
         the run's length, for a decay)."""
-        fused = all(p.is_cuda for p in params) or None
+        fused = True
         optimizer = torch.optim.AdamW(
             params,
             lr=self.scaled_lr(global_batch_size),

@@ -6,8 +6,12 @@ the Trainer is built.
 """
 
 import warnings
+from typing import Literal, get_args
 
 import torch
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile's
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor wraps the compiled graphs in CUDA graphs (CUDA only)
 
 FP16_WARNING = (
     "trainer.precision={precision}: float16 autocast runs GroupNorm's statistics and the attention softmax near "
@@ -88,18 +92,46 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
     return name
 
 
-def resolve_compile(compile: bool | str, accelerator: str | None = "auto") -> bool:
-    """`compile: auto` -> True where torch.compile (inductor) was measured to pay off for training: CUDA, and
-    CPUs where `auto` trains in bf16 (AMX: bf16 + compile 1.37x bf16 eager per step on unet_mnist, a cold
-    compile of about 2.5 min paid back after ~600 steps). False on other CPUs: 1.00x on an AVX512-BF16 Xeon
-    without AMX (benchmarks/results/throughput_unet_mnist_compile_cpu.json), not measured to pay off on AVX2.
-    true/false pass through."""
+def compile_mode(compile: bool | str | None) -> CompileMode | None:
+    """A resolved `compile` value as torch.compile's mode: None for false, "default" for true, a mode as given."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return "default"
+    if compile not in get_args(CompileMode):
+        raise ValueError(f"compile={compile!r} must be true, false, auto or one of {list(get_args(CompileMode))}")
+    return compile  # type: ignore[return-value]
+
+
+def uses_cudagraphs(mode: str | None) -> bool:
+    """Whether inductor runs the graphs of `mode` as CUDA graphs (on CUDA inputs; never on the CPU)."""
+    return mode in CUDAGRAPH_MODES
+
+
+def resolve_compile(compile: bool | str, accelerator: str | None = "auto") -> bool | str:
+    """`compile: auto` -> the mode measured to pay off for training on this device, or False. CUDA: "default"
+    (inductor's fused kernels; the CUDA-graph modes wait for the GPU rows of docs/benchmarks.md). CPUs where `auto`
+    trains in bf16 (AMX): "default" (bf16 + compile 1.37x bf16 eager per step on unet_mnist, a cold compile of about
+    2.5 min paid back after ~600 steps). False on other CPUs: 1.00x on an AVX512-BF16 Xeon without AMX
+    (benchmarks/results/throughput_unet_mnist_compile_cpu.json), 0.87x on an AVX2-only EPYC. true/false and a mode
+    pass through (checked)."""
     if isinstance(compile, bool):
         return compile
     if str(compile).lower() != "auto":
-        raise ValueError(f"compile={compile!r} must be true, false or auto")
+        compile_mode(compile)  # refused here, naming the modes, if unknown
+        return compile
     device = run_device(accelerator)
-    return device == "cuda" or (device == "cpu" and fast_bf16("cpu"))
+    return "default" if device == "cuda" or (device == "cpu" and fast_bf16("cpu")) else False
+
+
+def compile_note(decided: bool | str, accelerator: str | None = "auto") -> str:
+    """The log line of `compile=auto`: what it chose on this device, and why."""
+    device = run_device(accelerator)
+    if decided is False:
+        return (f"compile=auto: off on this {device} (measured not to pay off: 1.00x on AVX512-BF16 without AMX, "
+                "0.87x on AVX2; compile=true to force it)")  # fmt: skip
+    why = "CUDA" if device == "cuda" else "a CPU with AMX (bf16 + compile 1.37x bf16 eager)"
+    return f"compile=auto: mode {decided} on {why}; compile=reduce-overhead adds CUDA graphs"
 
 
 def configure_precision(precision: str | int | None, *, tf32: bool = True) -> list[str]:

@@ -21,11 +21,11 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.config import validate_config
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, world_of
 from ddpm.memory import explain_oom
-from ddpm.precision import configure_precision, resolve_compile, resolve_precision
+from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
 from ddpm.resume import check_resume, checkpoint_world, load_training_checkpoint, record_world, resolve_ckpt_path
 from ddpm.run_dir import claim_run, first_process
 from ddpm.sampling.runtime import check_guidance
-from ddpm.sweep import finish_wandb, name_wandb_run
+from ddpm.sweep import check_objective, finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
 from ddpm.weights.init import load_init
 from ddpm.weights.lightning_io import AtomicCheckpointIO
@@ -129,6 +129,7 @@ def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
     resolved = resolve_config(cfg)  # fail fast, before the LR range test too
+    check_objective(resolved)  # a metric the run logs, before any step (objective_value checks again after fit)
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
     ckpt_path = ckpt_path or hpc_checkpoint(output_dir)  # a requeued SLURM job resumes in place
@@ -140,6 +141,8 @@ def train(cfg: DictConfig) -> float | None:
         resolved = resolve_config(cfg)  # again: tune.apply set optim.lr
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
+    if str(cfg.get("compile")).lower() == "auto" and first_process():
+        print(compile_note(resolved["compile"], OmegaConf.select(cfg, "trainer.accelerator")))
     precision = resolved.get("trainer", {}).get("precision")
     start_step, before = 0, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder

@@ -108,15 +108,30 @@ class EMA(Callback):
 
     @torch.no_grad()
     def update(self, net: nn.Module) -> None:
-        """One EMA step towards the current weights of `net`."""
-        shadow, live = self._require_shadow(), _tensors(net)
+        """One EMA step towards the current weights of `net`: one multi-tensor lerp over the float tensors (no per-
+        tensor op, no host sync), a copy for integer buffers (the UNet has none)."""
+        shadow, live, others = self._pairs(net)
         d = ema_decay(self.decay, self.num_updates, self.warmup)
-        floats = [k for k, v in shadow.items() if v.is_floating_point()]
-        torch._foreach_lerp_([shadow[k] for k in floats], [live[k].detach().float() for k in floats], 1.0 - d)
-        for k, v in shadow.items():
-            if not v.is_floating_point():
-                v.copy_(live[k])
+        torch._foreach_lerp_(shadow, live, 1.0 - d)
+        for average, tensor in others:
+            average.copy_(tensor)
         self.num_updates += 1
+
+    def _pairs(self, net: nn.Module) -> tuple[list[Tensor], list[Tensor], list[tuple[Tensor, Tensor]]]:
+        """(float averages, their live tensors, (other average, live) pairs), kept until `net` or the shadow change.
+        Live tensors of another dtype than float32 are converted on each call (a copy): mixed precision keeps them
+        float32, so it never happens in training."""
+        shadow = self._require_shadow()
+        key = (id(net), id(shadow))
+        if getattr(self, "_cached", (None,))[0] != key:
+            live = _tensors(net)
+            floats = [k for k, v in shadow.items() if v.is_floating_point()]
+            others = [(shadow[k], live[k]) for k in shadow if k not in floats]
+            self._cached = (key, [shadow[k] for k in floats], [live[k] for k in floats], others)
+        _, averages, tensors, others = self._cached
+        if any(t.dtype != a.dtype for t, a in zip(tensors, averages, strict=True)):
+            tensors = [t.to(a.dtype) for t, a in zip(tensors, averages, strict=True)]
+        return averages, tensors, others
 
     @contextmanager
     def averaged(self, net: nn.Module) -> Iterator[None]:

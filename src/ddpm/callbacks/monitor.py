@@ -69,7 +69,7 @@ class Monitor(Callback):
             if logs and len(self._ends) >= 2:
                 seconds = self._ends[-1][0] - self._ends[0][0]
                 count = sum(n for _, n in list(self._ends)[1:])
-                pl_module.log("train/images_per_sec", count / max(seconds, 1e-9), prog_bar=True, on_step=True)
+                pl_module.log("train/images_per_sec", count / max(seconds, 1e-9), on_step=True)
         if logs and self.gpu_memory and pl_module.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
             pl_module.log("train/gpu_mem_gb", peak, on_step=True, on_epoch=False)
@@ -87,8 +87,16 @@ def _batch_size(batch: Any) -> int:
     return int(images.shape[0])
 
 
+SHOWN = ("train/loss", "train/images_per_sec", "train/skipped_steps", "val/loss")  # the bar's metrics
+
+
 class ProgressBar(RichProgressBar):
-    """Lightning's RichProgressBar, plus the ETA to `trainer.max_steps`; silent when stdout is not a terminal."""
+    """Lightning's RichProgressBar, plus the ETA to `trainer.max_steps`; silent when stdout is not a terminal.
+
+    The metrics it shows (`SHOWN`) are logged without `prog_bar=True`: Lightning converts every progress-bar metric
+    to a Python number on every batch, a host-device sync per step. The bar reads them from `callback_metrics`
+    instead, at each step Lightning logs (those steps sync anyway), and shows those numbers until the next one.
+    """
 
     def __init__(
         self,
@@ -99,6 +107,7 @@ class ProgressBar(RichProgressBar):
     ) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave)
         self._start: tuple[float, int] | None = None  # (time, global_step) when training started
+        self._shown: dict[str, float] = {}  # SHOWN metrics as of the last logged step
         if only_on_terminal and not sys.stdout.isatty():
             self.disable()
 
@@ -106,8 +115,22 @@ class ProgressBar(RichProgressBar):
         super().on_train_start(trainer, pl_module)
         self._start = (time.perf_counter(), trainer.global_step)
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if logs_this_step(trainer) and not self.is_disabled:  # a logged step syncs anyway
+            self._read(trainer)
+        super().on_train_batch_end(trainer, pl_module, *args)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self.is_disabled:
+            self._read(trainer)
+
+    def _read(self, trainer: pl.Trainer) -> None:
+        metrics = trainer.callback_metrics
+        self._shown.update({key: float(metrics[key]) for key in SHOWN if key in metrics})
+
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        items = super().get_metrics(trainer, pl_module)
+        items = super().get_metrics(trainer, pl_module) | self._shown
         items.pop("v_num", None)
         eta = eta_seconds(self._start, time.perf_counter(), trainer.global_step, trainer.max_steps)
         if eta is not None:

@@ -1,6 +1,6 @@
 """NaNGuard: skips optimizer steps whose gradients are non-finite, and stops a run that has diverged.
 
-Two signs of divergence, both checked with one host sync per optimizer step:
+Two signs of divergence, both checked without a host sync in the step (see the end of this docstring):
 
 - Non-finite: the global gradient 2-norm (the norm clipping uses) is NaN/inf: a NaN/inf loss or gradient, or
   gradients so large that their norm overflows float32 (clipping would then scale them to zero and Adam would keep
@@ -44,6 +44,17 @@ than 10x for good is, by this rule, a divergence: raise `divergence_factor` wher
 The check runs after the gradients of the step are complete (after all accumulated micro-batches, the DDP
 all-reduce and the fp16 unscale) and before clipping and the update. The loss check reads the losses of the
 micro-batches since the previous check, so it lags one optimizer step.
+
+No host sync in the step. The skip is decided on the device: the guard hands the step's non-finite flag to the
+fused AdamW kernel as its `found_inf` (the same flag a GradScaler gives it under fp16), which then leaves the weights,
+the moments and Adam's step count as they were. Each step's gradient norm and mean loss stay on the device, in a
+short history; the rules above run over that history on the host only where the step syncs anyway: at the steps
+Lightning logs (`trainer.log_every_n_steps`), before every checkpoint is written (a checkpoint never holds a run that
+should have stopped) and when training ends. A run therefore stops up to `log_every_n_steps` optimizer steps after
+its stopping step, naming that step; the steps in between were skipped (non-finite) or diverging, and no checkpoint
+was written after it. An optimizer without `found_inf` (not fused) gets the old path: one sync per step, and a
+skipped step drops its gradients. Under 16-mixed the GradScaler sets `found_inf` itself: it skips NaN/inf gradients;
+a finite gradient whose norm overflows is then not skipped, only counted.
 """
 
 import math
@@ -75,6 +86,13 @@ def global_norm(tensors: list[Tensor]) -> Tensor:
 def all_finite(tensors: list[Tensor]) -> bool:
     """True when no element of `tensors` is NaN/inf and their global 2-norm does not overflow."""
     return bool(global_norm(tensors).isfinite())
+
+
+def skips_on_device(optimizer: Optimizer) -> bool:
+    """Whether `optimizer` skips its update when given `found_inf` (torch's fused Adam/AdamW/SGD kernels, the ones a
+    GradScaler drives), so a non-finite step is skipped without the host reading the flag."""
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    return fused and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
 def ema_update(mean: float, count: int, value: float, beta: float) -> tuple[float, int]:
@@ -112,17 +130,22 @@ class NaNGuard(Callback):
         if not divergence_factor > 1:
             raise ValueError(f"nan_guard.divergence_factor={divergence_factor} must be > 1 (10 is the default)")
         self.max_consecutive, self.factor, self.patience = max_consecutive, divergence_factor, divergence_patience
-        self.skipped = 0  # skipped steps in this run so far
-        self.consecutive = 0  # skipped steps since the last good one
+        self.skipped = 0  # skipped steps in this run so far (as of the last check)
+        self.consecutive = 0  # skipped steps since the last good one (as of the last check)
         self.fast, self.fast_updates = 0.0, 0  # fast debiased average of the log-loss, and its number of values
         self.slow, self.slow_updates = 0.0, 0  # slow debiased average of the log-loss (the running level), the same
         self.above = 0  # diverging steps, less one per step back under the threshold (never below 0)
-        self._losses: list[Tensor] = []  # this process's micro-batch losses since the last check (on the device)
+        self._losses: list[Tensor] = []  # this process's micro-batch losses since the last optimizer step (device)
+        self._history: list[tuple[int, Tensor]] = []  # (optimizer step, [grad norm, mean loss]) not yet checked
+        self._trainer: pl.Trainer | None = None
 
     @property
     def level(self) -> float:
         """The running level of the loss (the slow average, as a loss); inf before the first loss."""
         return math.exp(self.slow) if self.slow_updates else math.inf
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer  # state_dict() checks the history before a checkpoint is written
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -130,7 +153,8 @@ class NaNGuard(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):
             self._losses.append(loss.detach().float().reshape(()))
-        if logs_this_step(trainer) or self.consecutive:  # a skip shows at once (callback_metrics, progress bar)
+        if logs_this_step(trainer):  # this step syncs anyway (Lightning writes its metrics)
+            self.check(trainer)
             pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False)
 
     def on_before_optimizer_step(
@@ -139,25 +163,42 @@ class NaNGuard(Callback):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
-        values = [global_norm(grads)]
+        norm = global_norm(grads)
+        loss = torch.full((), math.nan, device=norm.device)
         if self._losses:  # averaged over the ranks, so every rank takes the same decision
-            device = values[0].device
-            mean = torch.stack([loss.to(device) for loss in self._losses]).mean()
-            values.append(trainer.strategy.reduce(mean, reduce_op="mean"))
-        norm, *loss = torch.stack(values).tolist()  # the one host sync of the guard
+            mean = torch.stack([loss.to(norm.device) for loss in self._losses]).mean()
+            loss = trainer.strategy.reduce(mean, reduce_op="mean").float()
         self._losses = []
-        if loss and math.isfinite(loss[0]) and loss[0] > 0:
-            self._track(math.log(loss[0]), trainer)
-        if math.isfinite(norm):
-            self.consecutive = 0
+        self._history.append((trainer.global_step, torch.stack([norm, loss])))
+        if skips_on_device(optimizer):
+            optimizer.found_inf = (~norm.isfinite()).float()  # the fused kernel leaves weights, moments, step
             return
-        optimizer.zero_grad(set_to_none=True)  # parameters without gradients are left alone by the step
-        self.skipped += 1
-        self.consecutive += 1
-        if self.consecutive >= self.max_consecutive:
-            raise NonFiniteLossError(self._message(trainer, self._nonfinite_cause()))
+        self.check(trainer)  # an optimizer without found_inf: decide now (one sync), drop the gradients
+        if self.consecutive:
+            optimizer.zero_grad(set_to_none=True)  # parameters without gradients are left alone by the step
 
-    def _track(self, log_loss: float, trainer: pl.Trainer) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: pl.Trainer | None = None) -> None:
+        """Run the rules over the steps since the last check (one host sync); raise if the run must stop."""
+        if not self._history:
+            return
+        steps = [step for step, _ in self._history]
+        values = torch.stack([v for _, v in self._history]).tolist()  # the one host sync of the guard
+        self._history = []
+        for step, (norm, loss) in zip(steps, values, strict=True):
+            if math.isfinite(loss) and loss > 0:
+                self._track(math.log(loss), trainer, step)
+            if math.isfinite(norm):
+                self.consecutive = 0
+                continue
+            self.skipped += 1
+            self.consecutive += 1
+            if self.consecutive >= self.max_consecutive:
+                raise NonFiniteLossError(self._message(trainer, self._nonfinite_cause(), step))
+
+    def _track(self, log_loss: float, trainer: pl.Trainer | None, step: int) -> None:
         """Add one step's log-loss to both averages; stop once `patience` steps (net) had the fast one diverging."""
         self.fast, self.fast_updates = ema_update(self.fast, self.fast_updates, log_loss, FAST)
         threshold = self.slow + math.log(self.factor) if self.slow_updates else math.inf
@@ -165,7 +206,7 @@ class NaNGuard(Callback):
             if self.fast_updates > WARMUP:
                 self.above += 1
             if self.above >= self.patience:
-                raise DivergenceError(self._message(trainer, self._divergence_cause()))
+                raise DivergenceError(self._message(trainer, self._divergence_cause(), step))
             return
         self.above = max(self.above - 1, 0)
         self.slow, self.slow_updates = ema_update(self.slow, self.slow_updates, min(log_loss, threshold), SLOW)
@@ -183,17 +224,18 @@ class NaNGuard(Callback):
             "optimizer steps"
         )
 
-    def _message(self, trainer: pl.Trainer, cause: str) -> str:
-        callback = trainer.checkpoint_callback
+    def _message(self, trainer: pl.Trainer | None, cause: str, step: int) -> str:
+        callback = getattr(trainer, "checkpoint_callback", None)
         last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or "none yet"
         return (
-            f"{cause}, up to step {trainer.global_step + 1} ({self.skipped} skipped in all); stopping. Likely causes: "
+            f"{cause}, up to step {step + 1} ({self.skipped} skipped in all); stopping. Likely causes: "
             "a learning rate too high for this batch size (lower optim.lr or raise optim.warmup_steps), fp16 overflow "
             "(trainer.precision=bf16-mixed or 32-true), or bad input data. Last good checkpoint: "
             f"{last} (resume with ckpt_path=<it> after the change)"
         )
 
     def state_dict(self) -> dict[str, Any]:
+        self.check(self._trainer)  # before a checkpoint is written: never save a run that must stop
         state = {key: getattr(self, key) for key in STATE if key != "pending"}
         return state | {"pending": [float(loss) for loss in self._losses]}  # losses of a step not yet checked
 

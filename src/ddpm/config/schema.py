@@ -23,6 +23,7 @@ from pydantic import ConfigDict, TypeAdapter
 from typing_extensions import TypedDict
 
 from ddpm.config.types import lenient
+from ddpm.precision import CompileMode
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})  # instantiate's own
 STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
@@ -95,7 +96,7 @@ Precision = Literal["auto", "32", "bf16", 32]
 
 TRAIN_KEYS: dict[str, Any] = {  # conf/train.yaml's own keys; each group is a `_target_` node
     "seed": int | None,
-    "compile": bool,  # after `auto` is resolved
+    "compile": bool | CompileMode,  # after `auto` is resolved
     "ckpt_path": str | None,
     "objective": str,
     "resume_dir": str | None,

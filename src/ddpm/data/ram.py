@@ -161,6 +161,29 @@ class RAMDataModule(ScaleOnDevice):
         self.train_set = ImageTensorDataset(data.images, data.labels, train)
         self.val_set = ImageTensorDataset(data.images, data.labels, val)
 
+    def check_labels(self, num_classes: int | None) -> None:
+        """Every label of the preloaded set against the model's classes, once, before the first step (the training
+        step also checks each batch, on the device). Nothing to check for an unconditional model."""
+        if num_classes is None or self.data is None or len(self.data.labels) == 0:
+            return
+        labels = self.data.labels
+        bad = (labels < 0) | (labels >= num_classes)
+        if not bad.any():
+            return
+        low, high = (int(v) for v in torch.aminmax(labels))
+        names = getattr(self.data, "class_names", None) or ()
+        extra = f": class folders {list(names[num_classes:])} are beyond it" if len(names) > num_classes else ""
+        if low < 0:
+            fix = "labels must be >= 0: fix the data set's labels"
+        else:
+            fix = f"set model.num_classes={max(high + 1, len(names))}"
+            fix += " or remove those folders from data.root" if extra else ", or fix the data set's labels"
+        raise ValueError(
+            f"{int(bad.sum())} of the {self._images(len(labels))} have labels outside 0..{num_classes - 1}, the "
+            f"classes of model.num_classes={num_classes}{extra} (labels span [{low}, {high}]; label {num_classes} is "
+            f"the null class of guidance); {fix}"
+        )
+
     def _images(self, n: int) -> str:
         """'N images' with data.limit named when it cut the source."""
         return f"{n} images" + (f" (data.limit={self.limit} of {self.loaded})" if n < self.loaded else "")

@@ -80,12 +80,23 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
-        qkv = self.qkv(self.norm(x)).reshape(b, 3, self.num_heads, c // self.num_heads, h * w)
-        # Contiguous (B, heads, HW, d): fused SDPA kernels need stride 1 on d, else SDPA falls back to the
-        # math path, which materialises the (HW x HW) attention map.
+        heads, d = self.num_heads, c // self.num_heads
+        qkv = self.qkv(self.norm(x))  # (B, 3C, H, W); channel (i, head, j) = i C + head d + j
+        # Fused SDPA kernels need stride 1 on d, else SDPA falls back to the math path, which materialises the
+        # (HW x HW) attention map.
+        if channels_last(x):  # NHWC: q, k, v are views with stride 1 on d, and the output stays NHWC for proj
+            q, k, v = qkv.permute(0, 2, 3, 1).reshape(b, h * w, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, HW, d)
+            return x + self.proj(out.transpose(1, 2).reshape(b, h, w, c).permute(0, 3, 1, 2))
+        qkv = qkv.reshape(b, 3, heads, d, h * w)
         q, k, v = qkv.transpose(-1, -2).contiguous().unbind(dim=1)  # each (B, heads, HW, d)
         out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, HW, d)
         return x + self.proj(out.transpose(-1, -2).reshape(b, c, h, w))
+
+
+def channels_last(x: Tensor) -> bool:
+    """Whether (B, C, H, W) `x` is laid out NHWC (and not also NCHW, as when C or H * W is 1)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 class Downsample(nn.Module):
