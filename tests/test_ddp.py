@@ -119,3 +119,34 @@ def test_ddp_resume_with_the_same_world_size_is_exact(straight, tmp_path: Path) 
         assert resumed[rank]["timesteps"] == infos[rank]["timesteps"][2:]
         assert resumed[rank]["seen"] == infos[rank]["seen"][2 * 16 :]
         assert_equal_weights(resumed_weights[rank], weights[rank])
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_0_stops_both_ranks_at_the_next_logged_step_with_one_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM reaches rank 0 only. The ranks agree on it at the steps Lightning logs (a broadcast there, not a host
+    sync at every step): both stop after the same logged step, rank 0 writes last.ckpt, the run exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO, env
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "train.py", *DDP[:-1], "trainer.max_steps=400", "trainer.log_every_n_steps=25",
+               "trainer.val_check_interval=1000", "callbacks.sample_grid=null", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list((run_dir / "checkpoints").glob("step_*.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # training has begun on both ranks
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 143, output[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 0 < step < 400 and step % 25 == 0, step  # eager per-step agreement: 1 chance in 25
+    assert f"saved {run_dir / 'checkpoints' / 'last.ckpt'} at step {step}" in output

@@ -32,6 +32,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
+from ddpm.callbacks.monitor import logs_this_step
+
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved, resume with ckpt_path=last"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (the shell's convention), with or without the checkpoint
 
@@ -132,9 +134,13 @@ class Preemption(Callback):
         raise Preempted(path, exit_code(received))
 
     def _broadcast(self, trainer: pl.Trainer) -> int | None:
-        """Rank 0's view wins, so every rank stops at the same step (and saves the same checkpoint)."""
+        """Rank 0's view wins, so every rank stops at the same step (and saves the same checkpoint). Several
+        processes agree at the steps Lightning logs only: a broadcast is a host-device sync, which every step would
+        pay; a signal is then acted on within trainer.log_every_n_steps optimizer steps."""
         if trainer.world_size == 1:
             return self.received
+        if not logs_this_step(trainer):
+            return None
         return trainer.strategy.broadcast(self.received, src=0)
 
     def _restore(self) -> None:
