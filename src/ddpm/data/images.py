@@ -18,6 +18,11 @@ as Image.MAX_IMAGE_PIXELS for the call and restored after): a file above it is r
 the setting to raise. Pillow itself only warns between 1x and 2x its limit (DecompressionBombWarning) and
 refuses above 2x; here both are the same refusal, so the limit means what it says and no oversized decode
 slips through as a warning lost in a DataLoader worker's stderr. Every other decoder error names the file.
+
+Every image is decoded upright, as viewers show it (`upright`): an EXIF Orientation tag 2..8 (JPEG, and the eXIf
+chunk of PNG, WebP, TIFF) is applied with Pillow's ImageOps.exif_transpose before anything else; 1, a missing tag
+or an unreadable EXIF block leave the pixels as stored. Cameras and phones store a portrait photo as landscape
+pixels plus orientation 6 or 8; trained as stored, it would teach the model sideways faces.
 """
 
 import io
@@ -148,14 +153,27 @@ def pixel_limit(max_pixels: int | None) -> Iterator[None]:
         Image.MAX_IMAGE_PIXELS = saved
 
 
+EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag (274): 1 as stored, 2..8 flipped and/or rotated
+
+
+def upright(image):
+    """A PIL image as viewers show it: its EXIF Orientation 2..8 applied (the tag then removed); else itself."""
+    from PIL import ImageOps
+
+    if image.getexif().get(EXIF_ORIENTATION, 1) not in range(2, 9):  # no copy for the common case
+        return image
+    return ImageOps.exif_transpose(image)
+
+
 def open_image(file: Path | bytes, mode: str | None, *, name: str, max_pixels: int | None, setting: str):
-    """Decode `file` (a path or the bytes of one) as a loaded PIL image in `mode` ("L", "RGB"; None: its natural
-    one). Any failure is a ValueError naming `name`; an image over `max_pixels` names `setting`, the key to raise."""
+    """Decode `file` (a path or the bytes of one) upright (its EXIF orientation applied) as a loaded PIL image in
+    `mode` ("L", "RGB"; None: its natural one). Any failure is a ValueError naming `name`; an image over
+    `max_pixels` names `setting`, the key to raise."""
     from PIL import Image
 
     try:
         with pixel_limit(max_pixels), Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as image:
-            converted = to_mode(image, mode or natural_mode(image), name)
+            converted = to_mode(upright(image), mode or natural_mode(image), name)
             converted.load()
             return converted
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:

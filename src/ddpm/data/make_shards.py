@@ -8,7 +8,9 @@
 SOURCE is digits | mnist:ROOT | cifar10:ROOT | folder:ROOT. Samples are shuffled (seeded) before sharding,
 so every shard mixes the classes. The last line printed is the `data.urls=...` value to train with.
 A folder's images convert by the mode rule of ddpm.data.images; a file that is refused (a mode or range with
-no stated conversion, a damaged file, more pixels than --max-pixels) stops the command naming it.
+no stated conversion, a damaged file, more pixels than --max-pixels) stops the command naming it. They are decoded
+upright (their EXIF orientation applied, as viewers show them) and stored as those pixels in orientation-free PNGs,
+so a shard reads the same in any reader; ddpm.data.shards applies the orientation of JPEGs in other tools' shards.
 """
 
 import argparse

@@ -135,8 +135,9 @@ def decode(
     max_pixels: int | None = PILLOW_MAX_PIXELS,
     key: str = "sample",
 ) -> tuple[Tensor, int]:
-    """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index. Modes convert as
-    ddpm.data.images says (16-bit scaled, transparency onto white, ...); images over max_pixels are refused."""
+    """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index. Decoded upright (EXIF
+    orientation applied); modes convert as ddpm.data.images says (16-bit scaled, transparency onto white, ...);
+    images over max_pixels are refused."""
     import numpy as np
 
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in fields), None)

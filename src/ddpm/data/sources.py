@@ -224,8 +224,9 @@ _EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"
 class ImageFolderSource:
     """root/<class>/<image>: classes are the sorted sub-folder names; resized and centre-cropped at preload.
 
-    Every Pillow mode converts by the rule in ddpm.data.images (16-bit scaled, float and 32-bit integer files by
-    their range, transparency onto white) or is refused naming the file; so is a file over `max_pixels`."""
+    Every image is decoded upright (its EXIF orientation applied, as viewers show it). Every Pillow mode converts
+    by the rule in ddpm.data.images (16-bit scaled, float and 32-bit integer files by their range, transparency
+    onto white) or is refused naming the file; so is a file over `max_pixels`."""
 
     root: str | None  # the folder of class sub-folders
     conditional: bool = True  # False: one class (labels all 0, num_classes None)

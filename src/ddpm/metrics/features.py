@@ -29,10 +29,15 @@ from ddpm.data.images import convert_channels, resize_uint8
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
 INCEPTION_URL = f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{INCEPTION_FILE}"
 INCEPTION_ID = "inception2015-pool3-tf1resize"  # the name in reference cache keys
+INCEPTION_SHA256_PREFIX = "6726825d"  # torch hub's naming rule (hub.py): <name>-<first hex digits of sha256>.<ext>
 
 
 class InceptionWeightsMissing(RuntimeError):
     """The Inception weights are not in torch hub's cache and could not be downloaded."""
+
+
+class InceptionWeightsCorrupt(RuntimeError):
+    """The Inception weights file in torch hub's cache is torn or not the genuine file (the message names it)."""
 
 
 def inception_weights_path() -> Path:
@@ -94,11 +99,32 @@ def inception_extractor() -> FeatureExtractor:
     path = inception_weights_path()
     try:
         net = NoTrainInceptionV3(name="inception-v3-compat", features_list=["2048", "logits_unbiased"], antialias=False)
-    except Exception as error:  # URLError, HTTPError, OSError, a truncated download ...
-        if path.is_file():
+    except Exception as error:  # URLError, HTTPError, OSError, a torn file in the cache ...
+        if not path.is_file():
+            raise InceptionWeightsMissing(missing_weights_message(path, error)) from error
+        digest = file_digest(path)
+        if digest.startswith(INCEPTION_SHA256_PREFIX):  # the genuine file: the failure lies elsewhere
             raise
-        raise InceptionWeightsMissing(missing_weights_message(path, error)) from error
+        raise InceptionWeightsCorrupt(corrupt_weights_message(path, digest, error)) from error
     return FeatureExtractor(net=net, name=INCEPTION_ID, kind="inception", channels=3, has_logits=True)
+
+
+def brief(error: BaseException) -> str:
+    """'Type: first sentence' of an error (torch's torn-zip error goes on for four more sentences)."""
+    text = str(error).strip()
+    first = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(error).__name__}: {first[:200]}"
+
+
+def corrupt_weights_message(path: Path, digest: str, error: BaseException) -> str:
+    return (
+        f"the Inception weights file {path} ({path.stat().st_size:,} bytes) cannot be loaded "
+        f"({brief(error)}): it is torn (an interrupted copy or download) or not the "
+        f"genuine file (its sha256 begins {digest[:8]}, the genuine file's {INCEPTION_SHA256_PREFIX}). Delete it "
+        f"so that torch hub downloads it again (on a machine with network):\n    rm {path}\nor put a good copy "
+        f"there:\n    curl -L -o {path} {INCEPTION_URL}\n"
+        "or compute an offline FID with metrics.features=<path to a TorchScript classifier>"
+    )
 
 
 def missing_weights_message(path: Path, error: BaseException) -> str:
@@ -131,16 +157,8 @@ def classifier_extractor(path: str | os.PathLike) -> FeatureExtractor:
         with warnings.catch_warnings():  # torch >= 2.10 marks TorchScript deprecated; it still loads
             warnings.simplefilter("ignore", FutureWarning)
             net = torch.jit.load(str(path), map_location="cpu")
-    except RuntimeError:  # not TorchScript: a state dict written by ddpm.metrics.classifier.save_state?
-        from ddpm.metrics.classifier import STATE_FORMAT, load_state
-
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(checkpoint, dict) or checkpoint.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"metrics.features={path} is neither TorchScript nor a {STATE_FORMAT} state dict "
-                "(ddpm.metrics.classifier.save_state)"
-            ) from None
-        net = load_state(checkpoint)
+    except Exception as error:  # not TorchScript: a state dict written by ddpm.metrics.classifier.save_state?
+        net = state_dict_classifier(path, error)
     net.eval()
     return FeatureExtractor(
         net=net,
@@ -150,6 +168,27 @@ def classifier_extractor(path: str | os.PathLike) -> FeatureExtractor:
         channels=_int_attr(net, "in_channels"),
         has_logits=hasattr(net, "logits"),
     )
+
+
+def state_dict_classifier(path: Path, jit_error: BaseException) -> nn.Module:
+    """The classifier of a `save_state` file; a file neither TorchScript nor torch.load can read is named, torn."""
+    from ddpm.metrics.classifier import STATE_FORMAT, load_state
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a torn zip: OSError, RuntimeError (central directory), UnpicklingError ...
+        errors = brief(error) if brief(error) == brief(jit_error) else f"{brief(jit_error)}; {brief(error)}"
+        raise ValueError(
+            f"metrics.features={path} ({path.stat().st_size:,} bytes) cannot be read as TorchScript nor as a state "
+            f"dict ({errors}): it is torn (an interrupted copy) or not a classifier file; write it again (python "
+            f"benchmarks/mnist_quality.py --save-classifier {path}) or use metrics.features=inception"
+        ) from error
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"metrics.features={path} is neither TorchScript nor a {STATE_FORMAT} state dict "
+            "(ddpm.metrics.classifier.save_state)"
+        ) from None
+    return load_state(checkpoint)
 
 
 def _int_attr(net: nn.Module, name: str) -> int | None:

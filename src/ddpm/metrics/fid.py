@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ddpm.data.sources import Source
-from ddpm.metrics.features import FeatureExtractor
+from ddpm.metrics.features import FeatureExtractor, brief
 from ddpm.weights.atomic import atomic_save
 
 Metric = Literal["fid", "kid", "is"]
@@ -174,6 +174,26 @@ def reference_path(cache_dir: str | os.PathLike, key: dict[str, Any]) -> Path:
     return Path(cache_dir).expanduser() / name
 
 
+def read_cached_stats(path: Path, key: dict[str, Any]) -> FeatureStats | None:
+    """The statistics cached in `path` for `key`; None if they are for another key (stale) or the file is torn or
+    not a cache file (said in a warning that names it: it is computed again and replaced, atomically)."""
+    try:
+        cached = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(cached, dict):
+            raise TypeError(f"it holds a {type(cached).__name__}, not a dict")
+        if cached.get("key") != key:  # stale: another format or source
+            return None
+        fields = {f: cached[f] for f in ("num", "features_sum", "cov_sum")}
+        return FeatureStats(**fields, kid_features=cached["kid_features"].double())
+    except Exception as error:  # a torn zip: OSError, RuntimeError (central directory), UnpicklingError, KeyError ...
+        warnings.warn(
+            f"the reference statistics cache {path} cannot be read ({brief(error)}): "
+            "it is torn or not a cache file; computing the statistics again and replacing it",
+            stacklevel=3,
+        )
+        return None
+
+
 def reference_stats(
     source: Source,
     *,
@@ -186,11 +206,9 @@ def reference_stats(
     """Statistics of every image of `source` (the whole split, no data.limit), cached under `cache_dir`."""
     key = reference_key(source, image_size=image_size, channels=channels, extractor=extractor.name)
     path = reference_path(cache_dir, key)
-    if path.is_file():
-        cached = torch.load(path, map_location="cpu", weights_only=True)
-        if cached.get("key") == key:
-            fields = {f: cached[f] for f in ("num", "features_sum", "cov_sum")}
-            return FeatureStats(**fields, kid_features=cached["kid_features"].double())
+    cached = read_cached_stats(path, key) if path.is_file() else None
+    if cached is not None:
+        return cached
     data = source.load(image_size=image_size, channels=channels)
     print(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
     features, _ = extractor(data.images, batch_size=batch_size)
