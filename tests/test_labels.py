@@ -85,3 +85,20 @@ def test_ram_check_labels_names_negative_and_out_of_range_labels() -> None:
     data.check_labels(None)  # unconditional: labels unused
     data.data = ImageSet(images, torch.tensor([0, 1, 2, 3, 4, 4]), 5)
     data.check_labels(5)
+
+
+def test_an_image_folder_with_more_class_folders_than_classes_is_refused_naming_them(tmp_path: Path) -> None:
+    """11 class folders (a..k) for model.num_classes=10: the images of folder k would train as the null class. Refused
+    at setup naming folder k; nothing trained."""
+    from PIL import Image
+
+    root = tmp_path / "folders"
+    for i, name in enumerate("abcdefghijk"):
+        (root / name).mkdir(parents=True)
+        for j in range(3):
+            Image.new("L", (8, 8), color=20 * i + j).save(root / name / f"{j}.png")
+    with pytest.raises(ValueError, match=r"class folders \['k'\] are beyond it") as info:
+        fit(tmp_path / "run", "data=image_folder", f"data.root={root}", "data.channels=1", "data.val_size=3",
+            "data.batch_size=4", "model.image_size=8", "model.num_classes=10", "trainer.max_steps=3")  # fmt: skip
+    assert "3 of the 33 images" in str(info.value) and "model.num_classes=11" in str(info.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()

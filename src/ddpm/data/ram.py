@@ -152,7 +152,7 @@ class RAMDataModule(ScaleOnDevice):
         data = self.source.load(image_size=self.image_size, channels=self.channels)
         self.loaded = len(data.images)  # before data.limit
         if self.limit is not None:
-            data = ImageSet(data.images[: self.limit], data.labels[: self.limit], data.num_classes)
+            data = ImageSet(data.images[: self.limit], data.labels[: self.limit], data.num_classes, data.class_names)
         validate_image_set(data, image_size=self.image_size)
         data.images.share_memory_()  # workers see this storage, no copies (fork or spawn)
         data.labels.share_memory_()
@@ -171,7 +171,7 @@ class RAMDataModule(ScaleOnDevice):
         if not bad.any():
             return
         low, high = (int(v) for v in torch.aminmax(labels))
-        names = getattr(self.data, "class_names", None) or ()
+        names = self.data.class_names
         extra = f": class folders {list(names[num_classes:])} are beyond it" if len(names) > num_classes else ""
         if low < 0:
             fix = "labels must be >= 0: fix the data set's labels"

@@ -24,6 +24,7 @@ class ImageSet:
     images: Tensor  # (N, C, H, W) uint8
     labels: Tensor  # (N,) int64
     num_classes: int | None
+    class_names: tuple[str, ...] = ()  # the name of each label, where the source has names (image folders)
 
 
 class Source(Protocol):
@@ -237,14 +238,17 @@ class ImageFolderSource:
         require("data.source.max_pixels", self.max_pixels, lambda v: v is None or (isinstance(v, int) and v >= 1),
                 "an integer >= 1, or null for no limit (only for trusted files)")  # fmt: skip
 
-    def _files(self) -> list[tuple[Path, int]]:
+    def _classes(self) -> list[Path]:
+        """Class folders: visible sub-folders holding at least one image (skips .ipynb_checkpoints and empties)."""
         root = require_dir(self.root, "one sub-folder of images per class", "set data.root=...")
-        # Class folders: visible sub-folders holding at least one image (skips .ipynb_checkpoints and empties).
-        classes = sorted(
+        return sorted(
             p
             for p in root.iterdir()
             if p.is_dir() and not p.name.startswith(".") and any(f.suffix.lower() in _EXTENSIONS for f in p.rglob("*"))
         )
+
+    def _files(self) -> list[tuple[Path, int]]:
+        classes = self._classes()
         files = [
             (path, label)
             for label, folder in enumerate(classes)
@@ -272,4 +276,5 @@ class ImageFolderSource:
             images[i] = centre_crop(image, image_size)
         labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
         num_classes = len({label for _, label in files}) if self.conditional else None
-        return ImageSet(images=images, labels=labels.long(), num_classes=num_classes)
+        names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
+        return ImageSet(images=images, labels=labels.long(), num_classes=num_classes, class_names=names)
