@@ -164,3 +164,32 @@ def use_cpu(monkeypatch: Any, *, native: bool, amx: bool) -> None:
     monkeypatch.setattr(precision, "native_bf16", lambda device: native and device == "cpu")
     monkeypatch.setattr(precision, "cpu_amx", lambda: amx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def denoiser(
+    net: Any,
+    betas: Any,
+    *,
+    prediction: str = "eps",
+    guidance: float = 0.0,
+    null_class: int | None = None,
+    guidance_interval: tuple[float, float] | None = None,
+    sigma_data: float | None = None,
+) -> Any:
+    """What the sampler tests drive: `net` on the DDPM schedule `betas` as a denoiser (an EDM network, with
+    sigma_data, on the levels sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t) of those betas), guided when guidance
+    != 0, counting its network calls (`.calls`). Call a sampler with `sampler.sample(d, x_T, d.sigmas, y)`."""
+    from ddpm.diffusion.denoiser import Guided
+    from ddpm.diffusion.edm import EDMDenoiser
+    from ddpm.diffusion.gaussian import VPDenoiser
+    from ddpm.diffusion.generate import Counted
+    from ddpm.diffusion.schedule import alpha_bar_from_betas
+
+    alpha_bar = alpha_bar_from_betas(betas.double())
+    if sigma_data is not None:
+        made = EDMDenoiser(net=net, sigmas=((1 - alpha_bar) / alpha_bar).sqrt(), sigma_data=sigma_data)
+    else:
+        made = VPDenoiser(net=net, alpha_bar=alpha_bar, prediction=prediction)
+    if guidance != 0:
+        made = Guided(made, guidance=guidance, null_class=null_class, interval=guidance_interval)
+    return Counted(made)

@@ -11,10 +11,11 @@ import torch
 import yaml
 from helpers import CONF
 
+from ddpm import atomic
+from ddpm.atomic import atomic_save
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
-from ddpm.weights import CheckpointError, atomic, load_model
-from ddpm.weights.atomic import atomic_save
+from ddpm.weights import CheckpointError, load_model
 from ddpm.weights.model import CHECKPOINT_KEY, instantiate_local
 from ddpm.weights.torch_file import EXPORT_FORMAT, export_ema, load_checkpoint
 
@@ -121,9 +122,9 @@ def test_pickled_code_is_refused_not_run(tmp_path: Path) -> None:
     "node",
     [
         {"_target_": "os.system", "_args_": ["echo pwned"]},
-        {"_target_": "ddpm.weights.atomic.os.system", "_args_": ["echo pwned"]},  # starts with "ddpm." but is os.system
+        {"_target_": "ddpm.atomic.os.system", "_args_": ["echo pwned"]},  # starts with "ddpm." but is os.system
         {"_target_": "ddpm_evil.Thing"},  # a look-alike package
-        {"_target_": "ddpm.weights.atomic.atomic_save", "obj": 1, "path": "/tmp/x"},  # a ddpm function, not a class
+        {"_target_": "ddpm.atomic.atomic_save", "obj": 1, "path": "/tmp/x"},  # a ddpm function, not a class
         {"_target_": "ddpm.models.unet.UNet", "extra": {"_target_": "subprocess.run", "args": ["true"]}},
         {"_target_": "ddpm.models.unet.UNet", "hooks": [{"_target_": "builtins.exec", "_args_": ["1"]}]},
         {"_target_": "ddpm.models.unet.DoesNotExist"},
@@ -240,7 +241,7 @@ def test_load_ema_model_rejects_mismatched_or_configless_files(tmp_path: Path, m
     torch.save({CHECKPOINT_KEY: state}, tmp_path / "bare.pt")
     with pytest.raises(CheckpointError, match="no run config"):
         load_model(tmp_path / "bare.pt")
-    evil = config | {"model": {"_target_": "ddpm.weights.atomic.os.system", "_args_": ["echo pwned"]}}
+    evil = config | {"model": {"_target_": "ddpm.atomic.os.system", "_args_": ["echo pwned"]}}
     path = export_ema(tmp_path / "evil.pt", state, evil)
     with pytest.raises(CheckpointError, match="outside lightning-ddpm"):
         load_model(path)

@@ -26,6 +26,8 @@ from ddpm.callbacks.nan_guard import NaNGuard
 from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.callbacks.sample_grid import SampleGrid
+from ddpm.callbacks.vae_grid import VAEGrid
+from ddpm.config.build import build
 from ddpm.data.make_shards import write_shards
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
@@ -38,12 +40,14 @@ from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.diffusion.samplers.dpm_solver_sde import DPMSolverSDESampler
 from ddpm.diffusion.samplers.edm import EDMSampler
 from ddpm.diffusion.samplers.restart import RestartSampler
+from ddpm.models.autoencoder import autoencoder_kl
 from ddpm.models.diffusers_unet import DiffusersUNet2D
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule, check_batch
 from ddpm.optim import AdamW
 from ddpm.precision import resolve_precision
 from ddpm.training import build_callbacks, build_loggers
+from ddpm.vae_module import VAEModule
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import samplers  # benchmarks/samplers.py: the rule that chooses sample.py's default from its table
@@ -100,6 +104,8 @@ def check_model(cfg: DictConfig, name: str, tmp_path: Path, built: UNet | None =
     """`built`: the preset's UNet built already (the 35.7M ddpm_cifar10, once per module) instead of instantiating."""
     # The default experiment (digits) must not rewrite the chosen preset (e.g. unet_mnist stays conditional).
     assert OmegaConf.to_container(cfg.model, resolve=True) == disk("model", name)
+    if cfg.model._target_ == "ddpm.models.autoencoder.autoencoder_kl":
+        return check_autoencoder(cfg)
     net = instantiate(cfg.model) if built is None else built
     assert isinstance(net, UNet | DiffusersUNet2D)
     assert (net.in_channels, net.image_size, net.num_classes) == (
@@ -115,6 +121,19 @@ def check_model(cfg: DictConfig, name: str, tmp_path: Path, built: UNet | None =
         assert out.shape == x.shape and torch.isfinite(out).all()
 
 
+def check_autoencoder(cfg: DictConfig) -> None:
+    """A VAE preset (model=vae_*, module=vae): diffusers' AutoencoderKL, images to latents 2**(levels-1) smaller."""
+    diffusers = pytest.importorskip("diffusers", reason="model=vae_* is diffusers' AutoencoderKL")
+    net = instantiate(cfg.model).eval()
+    assert isinstance(net, diffusers.AutoencoderKL)
+    size, factor = cfg.model.image_size, 2 ** (len(cfg.model.block_out_channels) - 1)
+    x = torch.rand(2, cfg.model.in_channels, size, size) * 2 - 1
+    with torch.no_grad():
+        z = net.encode(x).latent_dist.mean
+        out = net.decode(z).sample
+    assert z.shape == (2, cfg.model.latent_channels, size // factor, size // factor) and out.shape == x.shape
+
+
 def check_webdataset(cfg: DictConfig, tmp_path: Path) -> None:
     """Write a few real shards, then read a batch through the streaming datamodule."""
     shape = (40, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size)
@@ -127,9 +146,26 @@ def check_webdataset(cfg: DictConfig, tmp_path: Path) -> None:
     check_batch(dm.on_after_batch_transfer(batch, 0), instantiate(cfg.model))
 
 
+def check_latents(cfg: DictConfig, tmp_path: Path) -> None:
+    """Encode a few digits into data.root with a tiny VAE (test_latents), then serve a batch of them."""
+    from test_latents import encode_args, save_vae
+
+    from ddpm.data.encode import main as encode
+    from ddpm.data.latents import LatentDataModule
+
+    encode(encode_args(save_vae(tmp_path / "vae", seed=0), Path(cfg.data.root)))
+    dm = instantiate(cfg.data)
+    assert isinstance(dm, LatentDataModule) and dm.latent["latent_shape"] == [2, 8, 8]
+    dm.setup("fit")
+    z, labels = dm.on_after_batch_transfer(next(iter(dm.train_dataloader())), 0)
+    assert z.shape == (cfg.data.batch_size, 2, 8, 8) and z.dtype == torch.float32 and labels.max() < 10
+
+
 def check_data(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     if name == "webdataset":
         return check_webdataset(cfg, tmp_path)
+    if name == "latents":
+        return check_latents(cfg, tmp_path)
     dm = instantiate(cfg.data)
     assert isinstance(dm, RAMDataModule)
     assert dm.image_size == cfg.model.image_size and dm.channels == cfg.model.in_channels
@@ -200,13 +236,18 @@ def check_trainer(cfg: DictConfig, name: str, tmp_path: Path) -> None:
 
 
 def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    if name == "vae":  # the default experiment (digits) sets keys of the sample grid callbacks=vae drops
+        cfg = OmegaConf.merge(cfg, {"callbacks": {"sample_grid": None}})
     ema, callbacks = build_callbacks(cfg)
     assert isinstance(ema, EMA) and callbacks[0] is ema and ema.decay == cfg.ema.decay
     by_type = {type(c): c for c in callbacks}
-    expected = {EMA, RNGState, ModelCheckpoint, SampleGrid, LearningRateMonitor, Monitor, ProgressBar, Preemption}
+    grid = VAEGrid if name == "vae" else SampleGrid  # callbacks=vae: the VAE's grid in place of the sample grid
+    expected = {EMA, RNGState, ModelCheckpoint, grid, LearningRateMonitor, Monitor, ProgressBar, Preemption}
     assert set(by_type) == expected | {NaNGuard}
     assert isinstance(callbacks[1], RNGState)  # right after EMA: its snapshot precedes checkpoint saves
     assert Path(by_type[ModelCheckpoint].dirpath) == tmp_path / "checkpoints"  # under the run directory
+    if name == "vae":
+        return
     assert isinstance(by_type[SampleGrid].sampler, DDPMSampler)
     _, fewer = build_callbacks(OmegaConf.merge(cfg, {"callbacks": {"sample_grid": None}}))
     assert SampleGrid not in {type(c) for c in fewer}  # callbacks.sample_grid=null drops it
@@ -221,8 +262,21 @@ def check_logger(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     assert Path(loggers[0].save_dir) == tmp_path
 
 
+def check_module(cfg: DictConfig, name: str, tmp_path: Path) -> None:
+    optim = instantiate(cfg.optim)
+    if name == "vae":  # trains an AutoencoderKL (model=vae_*) and takes no diffusion
+        pytest.importorskip("diffusers", reason="module=vae trains diffusers' AutoencoderKL")
+        net = autoencoder_kl(in_channels=1, image_size=8, block_out_channels=[8, 8], norm_num_groups=4)
+        assert isinstance(instantiate(cfg.module, _partial_=True)(net=net, optim=optim, run_config={}), VAEModule)
+        return
+    net, diffusion = instantiate(cfg.model), instantiate(cfg.diffusion)
+    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+    assert isinstance(module, DiffusionModule) and module.compile_mode is None  # compile: false by default
+
+
 CHECKS = {
     "model": check_model,
+    "module": check_module,
     "data": check_data,
     "diffusion": check_diffusion,
     "optim": check_optim,
@@ -335,11 +389,20 @@ def test_experiment_composes_and_builds(
         net = request.getfixturevalue("ddpm_cifar10")  # the same 35.7M UNet, built once per module
     else:
         net = instantiate(cfg.model)
-    diffusion, optim = instantiate(cfg.diffusion), instantiate(cfg.optim)
-    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
-    assert isinstance(module, DiffusionModule)
-    dm = instantiate(cfg.data)
-    assert dm.image_size == net.image_size and dm.channels == net.in_channels
+    optim = instantiate(cfg.optim)
+    if cfg.get("diffusion") is None:  # a VAE run (module=vae): tests/test_vae_training.py trains it
+        module = instantiate(cfg.module, _partial_=True)(net=net, optim=optim, run_config={})
+        assert isinstance(module, VAEModule)
+    else:
+        diffusion = instantiate(cfg.diffusion)
+        module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+        assert isinstance(module, DiffusionModule)
+    if cfg.data._target_ == "ddpm.data.latents.LatentDataModule":  # its shape comes from an encoded folder's meta.json
+        with pytest.raises(FileNotFoundError, match=r"data.root=.* has no meta.json: .*python -m ddpm.data.encode"):
+            build(cfg.data)  # tests/test_latent_pipeline.py trains on a real one
+    else:
+        dm = instantiate(cfg.data)
+        assert dm.image_size == cfg.model.image_size and dm.channels == cfg.model.in_channels
     ema, _ = build_callbacks(cfg)
     assert ema.decay == cfg.ema.decay
     instantiate(

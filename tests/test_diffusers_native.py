@@ -26,7 +26,7 @@ import torch
 import yaml
 from helpers import CONF, PYTHON, env, run, sample, train
 
-from ddpm.diffusion.generate import batch_seed, generate, to_uint8
+from ddpm.diffusion.generate import batch_seed, denoiser_for, generate, to_uint8
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.export import main
@@ -134,13 +134,14 @@ def test_table_maps_every_tensor_once_with_matching_shapes():
 @pytest.mark.parametrize(
     ("name", "changes", "named"),
     [
-        ("seed_mnist", {}, "model.downsample"),
-        ("unet64", {}, "model.num_heads=4"),
-        ("unet_tiny", {"channel_mult": [2, 4]}, "channel_mult"),
+        ("seed_mnist", {}, r"downsample=\[True, True, False\]: UNet2DModel halves the size after every level"),
+        ("unet64", {}, r"num_heads=4 at the attention widths \[256, 512\] .* gives head widths \[64, 128\]"),
+        ("unet_tiny", {"channel_mult": [2, 4]}, r"channel_mult=\[2, 4\] starts at 2, not 1"),
     ],
 )
 def test_configurations_unet2d_cannot_express_are_named(name, changes, named):
-    with pytest.raises(NotUNet2D, match=named):
+    """unet2d_config names the UNet argument UNet2DModel cannot express, and why."""
+    with pytest.raises(NotUNet2D, match=f"^{named}"):
         unet2d_config(arguments(preset(name, **changes)))
 
 
@@ -303,12 +304,9 @@ def ours(ema: Path, job: dict[str, Any]) -> np.ndarray:
         else DDIMSampler(steps=job["steps"], eta=0.0, spacing=job.get("spacing", "trailing"))
     )
     labels = torch.tensor(job["labels"]) if job["labels"] is not None else None
-    out = generate(
-        net=net, betas=diffusion.betas64(), prediction=diffusion.prediction, sampler=sampler,
-        image_shape=(net.in_channels, net.image_size, net.image_size), num_samples=job["batch"], labels=labels,
-        null_class=net.num_classes, guidance=job["w"] if labels is not None else 0.0, seed=SEED,
-        batch_size=job["batch"],
-    )  # fmt: skip
+    denoiser = denoiser_for(net, diffusion, guidance=job["w"] if labels is not None else 0.0)
+    shape = (job["batch"], net.in_channels, net.image_size, net.image_size)
+    out = generate(denoiser, sampler, shape, labels=labels, seed=SEED, batch_size=job["batch"])
     return out.images.permute(0, 2, 3, 1).numpy()
 
 
@@ -463,7 +461,7 @@ def test_native_export_round_trips_and_refuses_edits(made_by_diffusers, tmp_path
 
 
 def test_export_cli_writes_native_or_says_why_it_falls_back(tmp_path, capsys):
-    """unet_tiny: a UNet2DModel folder; unet64 (4 heads at widths 256 and 512; small here): the adapter folder,
+    """unet_tiny: a UNet2DModel folder; unet64 (4 heads at widths 256 and 512; 128 and 256 here): the adapter folder,
     with the reason printed."""
     tiny = write_run(tmp_path / "tiny", preset("unet_tiny"), "eps", 50)
     main([f"ckpt={tiny}", f"out={tmp_path / 'tiny_export'}"])
@@ -475,9 +473,8 @@ def test_export_cli_writes_native_or_says_why_it_falls_back(tmp_path, capsys):
     big = write_run(tmp_path / "unet64", preset("unet64", base_channels=32), "eps", 50)
     out = main([f"ckpt={big}", f"out={tmp_path / 'unet64_export'}"])
     printed = capsys.readouterr().out
-    assert (
-        "adapter" in printed and "model.num_heads=4" in printed and "import ddpm.weights.diffusers_adapter" in printed
-    )
+    why = "adapter UNet: diffusers' UNet2DModel cannot hold this model (num_heads=4 at the attention widths [128, 256]"
+    assert why in printed and "; import ddpm.weights.diffusers_adapter, then DDPMPipeline" in printed
     assert json.loads((out / "model_index.json").read_text())["unet"] == [
         "ddpm.weights.diffusers_adapter",
         "DDPMUNet2DModel",

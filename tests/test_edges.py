@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import compose
+from omegaconf import OmegaConf
 from PIL import Image
 
+from ddpm.config.build import build
 from ddpm.data.sources import ImageFolderSource
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas, make_betas
@@ -48,8 +50,13 @@ def test_linear_schedule_with_twenty_steps_or_fewer_is_refused_naming_the_smalle
     for steps in (2, 10, 20):
         with pytest.raises(ValueError, match=r"num_timesteps>=21 \(the smallest T that works\)"):
             make_betas("linear", steps)
-        with pytest.raises(ValueError, match=r"diffusion\.num_timesteps"):
+        refusal = rf"schedule=linear with num_timesteps={steps} gives betas in \[.*\], not inside \(0, 1\)"
+        with pytest.raises(ValueError, match="^" + refusal):
             GaussianDiffusion(num_timesteps=steps, schedule="linear")
+        node = {"_target_": "ddpm.diffusion.gaussian.GaussianDiffusion", "num_timesteps": steps, "schedule": "linear"}
+        keyed = rf"^diffusion\.schedule=linear with diffusion\.num_timesteps={steps} gives betas"
+        with pytest.raises(ValueError, match=keyed):
+            build(OmegaConf.create({"diffusion": node}).diffusion)
     alpha_bar = alpha_bar_from_betas(make_betas("linear", 21))
     assert (alpha_bar > 0).all() and (alpha_bar <= 1).all() and (alpha_bar.diff() < 0).all()
     assert (alpha_bar_from_betas(make_betas("cosine", 10)) > 0).all()  # cosine clips its betas at 0.999

@@ -5,14 +5,14 @@
 - Sec. 5 / appendix B.6: for data of standard deviation sigma_data the network input c_in x and its target both
   have unit variance at every sigma (Monte Carlo, 200k Gaussian pixels).
 - The levels are eq. 5's grid (its closed form at the ends and an interior index), and alpha_bar = 1 / (1 + sigma^2)
-  survives betas -> cumprod (what the samplers see) to 1e-9.
+  survives betas -> cumprod (what an export's scheduler sees) to 1e-9.
 - Training noise: ln sigma of the drawn levels has mean P_mean and std P_std; nearest_level is a brute-force argmin.
 - Sampling coordinates: a network that returns the exact target F* gives back x0 and eps exactly through
-  GuidedModel's VP x_t (an independent path from the training side's x = x0 + sigma n), and it is called on c_in x.
+  the denoiser's VP x_t (an independent path from the training side's x = x0 + sigma n), and it is called on c_in x.
 - The ideal denoiser of Gaussian data N(0, sigma_data^2) is D = c_skip x (F = 0); the probability-flow ODE then has
   the closed-form solution x(sigma) = x(sigma_0) sqrt((sigma^2 + sigma_data^2) / (sigma_0^2 + sigma_data^2)): EDM's
   Heun and DPM-Solver++ on these levels reach it.
-- Export: the adapter folder's eps equals GuidedModel's, and diffusers' DDIMPipeline draws our sampler=ddim images.
+- Export: the adapter folder's eps equals the denoiser's, and diffusers' DDIMPipeline draws our sampler=ddim images.
 - A real `python train.py diffusion=edm`, then sample.py and a resume that changes sigma_data (refused).
 """
 
@@ -21,12 +21,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_RUN, sample, tiny_unet, tiny_unet_config, train
+from helpers import TINY_RUN, denoiser, sample, tiny_unet, tiny_unet_config, train
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
 from ddpm.diffusion import precond
 from ddpm.diffusion.edm import EDMDiffusion, edm_sigmas
-from ddpm.diffusion.generate import batch_seed, generate, to_uint8
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.generate import batch_seed, denoiser_for, generate, to_uint8
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
 from ddpm.diffusion.samplers.edm import EDMSampler
@@ -92,7 +93,7 @@ def test_levels_are_equation_5_and_survive_the_vp_schedule():
     expected = (80 ** (1 / 7) + step / 999 * (0.002 ** (1 / 7) - 80 ** (1 / 7))) ** 7
     assert sigmas[i].item() == pytest.approx(expected, rel=1e-12)
     assert bool((sigmas[1:] > sigmas[:-1]).all())
-    alpha_bar = alpha_bar_from_betas(diffusion.betas64())  # what GuidedModel and every sampler compute
+    alpha_bar = alpha_bar_from_betas(diffusion.betas64())  # what an export's scheduler computes (trained_betas)
     torch.testing.assert_close(((1 - alpha_bar) / alpha_bar).sqrt(), sigmas, rtol=1e-9, atol=0)
     torch.testing.assert_close(edm_sigmas(5, 1.0, 2.0, 1.0), torch.tensor([1.0, 1.25, 1.5, 1.75, 2.0]).double())
 
@@ -109,19 +110,42 @@ def test_training_noise_is_lognormal_and_rounds_to_the_nearest_level():
     assert torch.equal(diffusion.nearest_level(queries), brute)
 
 
-@pytest.mark.parametrize("bad", [{"sigma_min": 0.0}, {"sigma_max": 0.001}, {"sigma_data": -1.0}, {"p_std": 0.0},
-                                 {"p_uncond": 1.0}, {"num_timesteps": 1}, {"rho": 0.0}])  # fmt: skip
-def test_bad_values_name_the_key(bad):
-    key = next(iter(bad))
-    with pytest.raises(ValueError, match=f"diffusion.{key}="):
+@pytest.mark.parametrize(
+    ("bad", "refusal"),
+    [
+        ({"sigma_min": 0.0}, r"sigma_min=0.0 must be > 0 \(EDM: 0.002\)"),
+        ({"sigma_max": 0.001}, r"sigma_max=0.001 must be > sigma_min=0.002 \(EDM: 80\)"),
+        ({"sigma_data": -1.0}, r"sigma_data=-1.0 must be > 0: the data's standard deviation"),
+        ({"p_std": 0.0}, r"p_std=0.0 must be > 0 \(EDM: 1.2\)"),
+        ({"p_uncond": 1.0}, r"p_uncond=1.0 must be in \[0, 1\)"),
+        ({"num_timesteps": 1}, r"num_timesteps=1 must be >= 2"),
+        ({"rho": 0.0}, r"rho=0.0 must be > 0 \(EDM: 7\)"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_argument(bad, refusal):
+    """EDMDiffusion(...) names its own argument and the rule (plain torch: no Hydra key)."""
+    with pytest.raises(ValueError, match=f"^{refusal}"):
         EDMDiffusion(**bad)
 
 
-def test_guided_model_recovers_x0_and_eps_from_the_exact_target():
-    """A network that returns F* for known (x0, n) and checks its input is c_in x: GuidedModel's VP path gives
-    back x0 and eps = n; guidance mixes F as it would mix eps."""
+@pytest.mark.parametrize(
+    ("bad", "refusal"),
+    [
+        ({"sigma_max": 0.001}, r"diffusion\.sigma_max=0.001 must be > diffusion\.sigma_min=0.002 "),
+        ({"p_uncond": 1.0}, r"diffusion\.p_uncond=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_values_name_the_key(bad, refusal):
+    """Built from a run config's `diffusion:` node (as train.py builds it), the refusal names the diffusion.* keys."""
+    cfg = OmegaConf.create({"diffusion": {"_target_": "ddpm.diffusion.edm.EDMDiffusion", **bad}})
+    with pytest.raises(ValueError, match=f"^{refusal}"):
+        build(cfg.diffusion)
+
+
+def test_the_denoiser_recovers_x0_and_eps_from_the_exact_target():
+    """A network that returns F* for known (x0, n) and checks its input is c_in x: the EDM denoiser's VP path gives
+    back x0 and eps = n."""
     diffusion = EDMDiffusion(num_timesteps=200)
-    betas = diffusion.betas64()
     t = torch.tensor([0, 50, 120, 199])
     sigma = diffusion.sigmas64()[t].view(-1, 1, 1, 1)
     g = torch.Generator().manual_seed(2)
@@ -133,13 +157,10 @@ def test_guided_model_recovers_x0_and_eps_from_the_exact_target():
         torch.testing.assert_close(inp.double(), x / (sigma**2 + SD**2).sqrt(), rtol=1e-5, atol=1e-6)
         return precond.f_target(x0, x, sigma, SD).float()
 
-    out = GuidedModel(net=net, betas=betas, prediction="edm", sigma_data=SD)(x_t, t, None)
+    d = diffusion.denoiser(net)
+    out = d(x_t, d.sigmas[t], None)
     torch.testing.assert_close(out.x0.double(), x0, rtol=0, atol=2e-5)
     torch.testing.assert_close(out.eps, n, rtol=0, atol=2e-3)  # (x - x0) / sigma: x0's float32 error over sigma_min
-    with pytest.raises(ValueError, match="sigma_data"):
-        GuidedModel(net=net, betas=betas, prediction="edm")
-    with pytest.raises(ValueError, match="sigma_data"):
-        GuidedModel(net=net, betas=betas, prediction="eps", sigma_data=SD)
 
 
 def ideal_gaussian_net(x, t, y):
@@ -163,13 +184,13 @@ def heun_by_hand(x: float, sigmas: list[float]) -> float:
 
 def test_heun_is_algorithm_1_and_converges_to_the_closed_form_flow():
     diffusion = EDMDiffusion()
-    model = GuidedModel(net=ideal_gaussian_net, betas=diffusion.betas64(), prediction="edm", sigma_data=SD)
+    d = diffusion.denoiser(ideal_gaussian_net)
     x_T = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3))
     errors = []
     for steps in (18, 200):
         sampler = EDMSampler(steps=steps, churn=0.0, clip_denoised=False)
-        sigmas = diffusion.sigmas64()[sampler.timesteps(model)].tolist()
-        x0 = sampler.sample(model, x_T.clamp(-0.5, 0.5), None).double()  # |x0| < 1: the final clamp is inactive
+        sigmas = diffusion.sigmas64()[sampler.timesteps(d.sigmas)].tolist()
+        x0 = sampler.sample(d, x_T.clamp(-0.5, 0.5), d.sigmas, None).double()  # |x0| < 1: the final clamp is off
         by_hand = heun_by_hand(math.sqrt(1 + sigmas[0] ** 2), sigmas)  # the flow is linear in x: one number
         torch.testing.assert_close(x0, x_T.clamp(-0.5, 0.5).double() * by_hand, rtol=1e-5, atol=1e-6)
         exact = closed_form_x0(x_T.clamp(-0.5, 0.5), sigmas[0])
@@ -179,14 +200,14 @@ def test_heun_is_algorithm_1_and_converges_to_the_closed_form_flow():
 
 def test_dpm_solver_on_edm_levels_converges_to_the_closed_form_flow():
     diffusion = EDMDiffusion()
-    model = GuidedModel(net=ideal_gaussian_net, betas=diffusion.betas64(), prediction="edm", sigma_data=SD)
+    d = diffusion.denoiser(ideal_gaussian_net)
     x_T = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3)).clamp(-0.5, 0.5)
     errors = []
     for steps in (10, 100):
         sampler = DPMSolverSampler(steps=steps, clip_denoised=False)
         sigma_0 = diffusion.sigmas64()[sampler.timesteps(1000)[0]].item()
         exact = closed_form_x0(x_T, sigma_0)
-        x0 = sampler.sample(model, x_T, None).double()
+        x0 = sampler.sample(d, x_T, d.sigmas, None).double()
         errors.append(((x0 - exact).abs().max() / exact.abs().max()).item())
     assert errors[1] < 2e-3 and errors[1] < errors[0] / 4
 
@@ -205,11 +226,11 @@ def test_generate_draws_the_same_images_from_f_as_from_the_equivalent_eps_networ
         d = SD**2 / (s**2 + SD**2) * x + s * SD / (s**2 + SD**2).sqrt() * f
         return ((x - d) / s).float()
 
-    shared = dict(betas=diffusion.betas64(), sampler=DDIMSampler(steps=8), image_shape=(1, 8, 8), num_samples=6,
-                  labels=torch.arange(6) % 3, null_class=3, guidance=1.5, seed=4, batch_size=6)  # fmt: skip
+    shared = dict(labels=torch.arange(6) % 3, seed=4, batch_size=6)
+    as_ddpm = denoiser(as_eps, diffusion.betas64(), guidance=1.5, null_class=3)  # the levels as a DDPM schedule
     with torch.no_grad():
-        ours = generate(net=net, prediction="edm", sigma_data=SD, **shared).images
-        theirs = generate(net=as_eps, prediction="eps", **shared).images
+        ours = generate(denoiser_for(net, diffusion, guidance=1.5), DDIMSampler(steps=8), (6, 1, 8, 8), **shared).images
+        theirs = generate(as_ddpm, DDIMSampler(steps=8), (6, 1, 8, 8), **shared).images
     assert (ours.int() - theirs.int()).abs().max() <= 1
     assert ((ours > 0) & (ours < 255)).float().mean() > 0.1  # not saturated: the comparison means something
 
@@ -238,10 +259,10 @@ def test_export_adapter_gives_eps_and_diffusers_ddim_draws_our_images(tmp_path):
     folder = export_diffusers(loaded, tmp_path / "export")  # EDM: the adapter, with no adapter=True
     pipe = diffusers.DDIMPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
-    model = GuidedModel(net=loaded.net, betas=loaded.diffusion.betas64(), prediction="edm", sigma_data=SD)
+    d = loaded.diffusion.denoiser(loaded.net)
     x_t, t = torch.randn(4, 1, 8, 8), torch.tensor([0, 300, 700, 999])
     with torch.no_grad():
-        torch.testing.assert_close(pipe.unet(x_t, t).sample, model(x_t, t, None).eps, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pipe.unet(x_t, t).sample, d(x_t, d.sigmas[t], None).eps, rtol=1e-4, atol=1e-4)
     reloaded = load_model(folder)
     assert isinstance(reloaded.diffusion, EDMDiffusion) and reloaded.diffusion.sigma_data == SD
     pipe.save_pretrained(tmp_path / "resaved")  # diffusers' own save keeps no ddpm_config.json
@@ -250,8 +271,7 @@ def test_export_adapter_gives_eps_and_diffusers_ddim_draws_our_images(tmp_path):
     generator = torch.Generator().manual_seed(batch_seed(3, 0))
     images = pipe(batch_size=4, generator=generator, num_inference_steps=10, eta=0.0, use_clipped_model_output=True,
                   output_type="np").images  # fmt: skip
-    ours = generate(net=loaded.net, betas=loaded.diffusion.betas64(), prediction="edm", sigma_data=SD,
-                    sampler=DDIMSampler(steps=10), image_shape=(1, 8, 8), num_samples=4, seed=3,
+    ours = generate(denoiser_for(loaded.net, loaded.diffusion), DDIMSampler(steps=10), (4, 1, 8, 8), seed=3,
                     batch_size=4)  # fmt: skip
     theirs = (images * 255).round().astype(np.uint8)
     diff = np.abs(theirs.astype(int) - ours.images.permute(0, 2, 3, 1).numpy().astype(int))
@@ -291,9 +311,9 @@ def test_edm_learns_16_real_digits_and_heun_draws_them():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model = GuidedModel(net=net.eval(), betas=diffusion.betas64(), prediction="edm", sigma_data=SD)
-    samples = EDMSampler(steps=10).sample(model, torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(5)),
-                                          None)  # fmt: skip
+    d = diffusion.denoiser(net.eval())
+    x_T = torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(5))
+    samples = EDMSampler(steps=10).sample(d, x_T, d.sigmas, None)
 
     def nearest_rms(a, b, skip_self=False):
         d = torch.cdist(a.flatten(1), b.flatten(1)) / math.sqrt(64)

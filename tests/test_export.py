@@ -31,8 +31,7 @@ from helpers import TINY_RUN, run, sample, tiny_unet, tiny_unet_config, train
 from safetensors.torch import save_file
 
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.diffusion.generate import batch_seed, generate, to_uint8
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.generate import batch_seed, denoiser_for, generate, to_uint8
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.export import main
@@ -98,11 +97,9 @@ def ours(folder: Path, sampler, *, labels=None, guidance: float = 0.0) -> np.nda
     """Our generate() on the exported model, as sample.py would: (B, H, W, C) uint8."""
     loaded = load_export(folder)
     net = loaded.net
-    out = generate(
-        net=net, betas=loaded.diffusion.betas64(), prediction=loaded.diffusion.prediction, sampler=sampler,
-        image_shape=(net.in_channels, net.image_size, net.image_size), num_samples=BATCH, labels=labels,
-        null_class=net.num_classes, guidance=guidance, seed=SEED, batch_size=BATCH,
-    )  # fmt: skip
+    shape = (BATCH, net.in_channels, net.image_size, net.image_size)
+    denoiser = denoiser_for(net, loaded.diffusion, guidance=guidance)
+    out = generate(denoiser, sampler, shape, labels=labels, seed=SEED, batch_size=BATCH)
     return out.images.permute(0, 2, 3, 1).numpy()
 
 
@@ -162,10 +159,10 @@ def test_scheduler_config_is_exactly_our_schedule(schedule, prediction):
 def our_x0(folder: Path, sampler) -> torch.Tensor:
     """Our sampler's float x0 in [-1, 1] from generate()'s first x_T: (B, C, H, W)."""
     loaded = load_export(folder)
-    model = GuidedModel(net=loaded.net, betas=loaded.diffusion.betas64(), prediction=loaded.diffusion.prediction)
+    denoiser = loaded.diffusion.denoiser(loaded.net)
     shape = (loaded.net.in_channels, loaded.net.image_size, loaded.net.image_size)
     g = generator()
-    return sampler.sample(model, torch.randn(BATCH, *shape, generator=g), None, generator=g)
+    return sampler.sample(denoiser, torch.randn(BATCH, *shape, generator=g), denoiser.sigmas, None, generator=g)
 
 
 def assert_close_floats(images: np.ndarray, x0: torch.Tensor, atol: float) -> None:

@@ -8,15 +8,17 @@ not, as said at each test.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
-from helpers import CONF, compose
+from helpers import CONF, compose, denoiser
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
 from ddpm.diffusion.generate import generate
-from ddpm.diffusion.samplers.base import GuidedModel
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
@@ -57,9 +59,9 @@ def run_ours(sampler, net, betas, prediction, x_T, seed=None, **guided):
         seen.append(x.clone())
         return net(x, t, y)
 
-    model = GuidedModel(net=recording, betas=betas, prediction=prediction, **guided)
+    d = denoiser(recording, betas, prediction=prediction, **guided)
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return seen, sampler.sample(model, x_T, None, generator=generator)
+    return seen, sampler.sample(d, x_T, d.sigmas, None, generator=generator)
 
 
 def exact_schedule(scheduler, betas: torch.Tensor):
@@ -109,7 +111,7 @@ def start(shape=(2, 1, 8, 8), seed: int = 0) -> torch.Tensor:
 def test_timesteps_match_diffusers(spacing, steps_offset, num_timesteps):
     """For every S, our timesteps are DDIMScheduler's (step_timesteps) and DPMSolverMultistepScheduler's
     (interval_timesteps); where diffusers returns a -1 timestep (S + 1 entries) ours are its first S, and
-    where it repeats timesteps or leaves 0..T-1 ours raise."""
+    where it leaves 0..T-1 or repeats timesteps ours raise, saying which."""
     config = dict(num_train_timesteps=num_timesteps, timestep_spacing=spacing, steps_offset=steps_offset)
     references = [
         (step_timesteps, diffusers.DDIMScheduler(**config)),
@@ -119,8 +121,14 @@ def test_timesteps_match_diffusers(spacing, steps_offset, num_timesteps):
         for steps in range(1, num_timesteps + 1):
             scheduler.set_timesteps(steps)
             theirs = scheduler.timesteps.tolist()
-            if len(set(theirs)) < len(theirs) or max(theirs) >= num_timesteps or min(theirs) < -1:
-                with pytest.raises(ValueError, match=r"sampler\.steps"):
+            if max(theirs) >= num_timesteps or min(theirs) < -1:
+                refusal = rf"^spacing='{spacing}' with steps={steps} gives timesteps .* outside the model's 0\.\."
+            elif len(set(theirs)) < len(theirs):
+                refusal = rf"^spacing='{spacing}' repeats timesteps with steps={steps} and T={num_timesteps}"
+            else:
+                refusal = None
+            if refusal is not None:
+                with pytest.raises(ValueError, match=refusal):
                     ours(spacing, num_timesteps, steps, steps_offset=steps_offset)
                 continue
             expected = theirs[:-1] if theirs[-1] == -1 else theirs
@@ -333,8 +341,8 @@ def test_deterministic_samplers_converge_to_the_exact_ode_solution(schedule, nam
     exact = exact_ode_solution(x_T, float(alpha_bar64(betas)[-1]))
     errors = []
     for steps in (20, 40):
-        model = GuidedModel(net=gaussian_net("eps", betas), betas=betas)
-        errors.append((DETERMINISTIC[name](steps).sample(model, x_T, None).double() - exact).abs().max().item())
+        d = denoiser(gaussian_net("eps", betas), betas)
+        errors.append((DETERMINISTIC[name](steps).sample(d, x_T, d.sigmas, None).double() - exact).abs().max().item())
     if name == "dpm_solver_2m":
         assert errors[0] / errors[1] > 3.5 and errors[1] < 0.03, errors
     else:
@@ -365,8 +373,8 @@ def test_samplers_land_on_the_data_distribution(schedule, name):
     betas = make_betas(schedule, T)
     generator = torch.Generator().manual_seed(5)
     x_T = torch.randn((4096, 1, 4, 4), generator=generator)
-    model = GuidedModel(net=gaussian_net("eps", betas), betas=betas)
-    out = make().sample(model, x_T, None, generator=generator).double().flatten()
+    d = denoiser(gaussian_net("eps", betas), betas)
+    out = make().sample(d, x_T, d.sigmas, None, generator=generator).double().flatten()
     q1, median, q3 = torch.quantile(out, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
     assert abs(median - MU) < 0.008
     assert abs((q3 - q1) / 1.34898 / S - 1) < tolerance, (q3 - q1) / 1.34898
@@ -388,8 +396,9 @@ def test_v_model_equals_eps_model(name):
     runs = []
     for prediction in ("eps", "v"):
         inputs = []
-        model = GuidedModel(net=gaussian_net(prediction, betas, inputs), betas=betas, prediction=prediction)
-        out = SAMPLERS[name]().sample(model, start((4, 1, 8, 8)), None, generator=torch.Generator().manual_seed(6))
+        d = denoiser(gaussian_net(prediction, betas, inputs), betas, prediction=prediction)
+        x_T, generator = start((4, 1, 8, 8)), torch.Generator().manual_seed(6)
+        out = SAMPLERS[name]().sample(d, x_T, d.sigmas, None, generator=generator)
         runs.append([*inputs, out])
     for x_eps, x_v in zip(*runs, strict=True):
         torch.testing.assert_close(x_v, x_eps, rtol=1e-5, atol=1e-5)
@@ -442,30 +451,23 @@ def test_guidance_is_one_batched_forward_per_step(make):
     betas, w, null = make_betas("linear", T), 2.0, 10
     y, x_T = torch.tensor([0, 3, 7]), start((3, 1, 4, 4))
     counting = CountingNet(conditional_net)
-    guided = GuidedModel(net=counting, betas=betas, guidance=w, null_class=null)
-    out = make().sample(guided, x_T, y, generator=torch.Generator().manual_seed(8))
-    assert counting.batch_sizes == [6] * 12 and guided.nfe == 12
+    guided = denoiser(counting, betas, guidance=w, null_class=null)
+    out = make().sample(guided, x_T, guided.sigmas, y, generator=torch.Generator().manual_seed(8))
+    assert counting.batch_sizes == [6] * 12 and guided.calls == 12
 
     def mixed(x, t, labels):
         return (1 + w) * conditional_net(x, t, labels) - w * conditional_net(x, t, torch.full_like(labels, null))
 
-    plain = GuidedModel(net=mixed, betas=betas, null_class=null)
-    expected = make().sample(plain, x_T, y, generator=torch.Generator().manual_seed(8))
+    plain = denoiser(mixed, betas, null_class=null)
+    expected = make().sample(plain, x_T, plain.sigmas, y, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(out, make().sample(GuidedModel(net=conditional_net, betas=betas), x_T, y))
+    unguided = denoiser(conditional_net, betas)
+    assert not torch.allclose(out, make().sample(unguided, x_T, unguided.sigmas, y))
 
 
 def run_generate(sampler, seed):
-    return generate(
-        net=toy_net("eps", make_betas("linear", T)),
-        betas=make_betas("linear", T),
-        prediction="eps",
-        sampler=sampler,
-        image_shape=(1, 4, 4),
-        num_samples=6,
-        batch_size=4,
-        seed=seed,
-    )
+    betas = make_betas("linear", T)
+    return generate(denoiser(toy_net("eps", betas), betas), sampler, (6, 1, 4, 4), batch_size=4, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -502,21 +504,55 @@ def test_sampler_config_instantiates_with_overrides(name, cls, tmp_path):
     assert keys and all("#" in line for line in keys)
 
 
+DDIM, DPM = DDIMSampler, DPMSolverSampler
+BAD_SETTINGS = [  # (class, arguments, the refusal; {key} is where the Hydra key goes: "" in plain torch)
+    (DDIM, dict(spacing="uniform"), "{key}spacing='uniform' is unknown; use one of ['leading', 'linspace', "),
+    (DDIM, dict(steps=0), "{key}steps=0 must be >= 1"),
+    (DDIM, dict(eta=-0.1), "{key}eta=-0.1 must be >= 0"),
+    (DDIM, dict(steps_offset=-1), "{key}steps_offset=-1 must be >= 0"),
+    (DPM, dict(order=3), "{key}order=3 is unsupported; use 2 (DPM-Solver++ 2M) or 1"),
+    (DPM, dict(spacing="quadratic"), "{key}spacing='quadratic' is unknown; use one of ['leading', "),
+]
+
+
+@pytest.mark.parametrize(("cls", "arguments", "refusal"), BAD_SETTINGS)
+def test_bad_settings_name_the_argument_and_built_from_a_config_the_key(cls, arguments, refusal):
+    """A bad setting is refused at construction: plain torch names its own argument (no Hydra key); built from a
+    config node at `sampler` (ddpm.config.build), the same refusal names the key the user sets, sampler.*."""
+    with pytest.raises(ValueError, match="^" + re.escape(refusal.format(key=""))):
+        cls(**arguments)
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    cfg = OmegaConf.create({"sampler": {"_target_": target, **arguments}})
+    with pytest.raises(ValueError, match="^" + re.escape(refusal.format(key="sampler."))):
+        build(cfg.sampler)
+
+
+def test_a_nested_sampler_node_is_named_by_its_full_key():
+    """The training-time grid's sampler sits at callbacks.sample_grid.sampler: that whole key is named."""
+    node = {"_target_": "ddpm.diffusion.samplers.ddim.DDIMSampler", "steps": 0}
+    cfg = OmegaConf.create({"callbacks": {"sample_grid": {"sampler": node}}})
+    with pytest.raises(ValueError, match=r"^callbacks\.sample_grid\.sampler\.steps=0 must be >= 1$"):
+        build(cfg.callbacks.sample_grid.sampler)
+
+
 @pytest.mark.parametrize(
-    ("build", "key"),
+    ("make", "refusal"),
     [
-        (lambda: DDIMSampler(spacing="uniform"), "sampler.spacing"),
-        (lambda: DDIMSampler(steps=0), "sampler.steps"),
-        (lambda: DDIMSampler(eta=-0.1), "sampler.eta"),
-        (lambda: DDIMSampler(steps_offset=-1), "sampler.steps_offset"),
-        (lambda: DPMSolverSampler(order=3), "sampler.order"),
-        (lambda: DPMSolverSampler(spacing="quadratic"), "sampler.spacing"),
-        (lambda: DDIMSampler(steps=T + 1).timesteps(T), "sampler.steps"),
-        (lambda: DDIMSampler(steps=T, spacing="leading", steps_offset=1).timesteps(T), "sampler.steps_offset"),
-        (lambda: DPMSolverSampler(steps=T, spacing="linspace").timesteps(T), "sampler.steps"),
+        (lambda: DDIMSampler(steps=T + 1), r"^steps=1001 must be between 1 and the model's T=1000; set steps to at"),
+        (
+            lambda: DDIMSampler(steps=T, spacing="leading", steps_offset=1),
+            r"^spacing='leading' with steps=1000 gives timesteps \[1000, 999, 998\]\.\.\., outside the model's "
+            r"0\.\.999; lower steps_offset or steps",
+        ),
+        (
+            lambda: DPMSolverSampler(steps=T, spacing="linspace"),
+            r"^spacing='linspace' repeats timesteps with steps=1000 and T=1000; use fewer steps",
+        ),
     ],
 )
-def test_bad_settings_name_the_key(build, key):
-    """Bad settings raise ValueError naming the sampler.* key to change."""
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        build()
+def test_settings_the_model_cannot_take_are_refused_when_its_t_is_known(make, refusal):
+    """Settings that only fail against the model's T (known at sampling, not at construction) are refused by
+    timesteps(T), naming the argument to change."""
+    sampler = make()
+    with pytest.raises(ValueError, match=refusal):
+        sampler.timesteps(T)

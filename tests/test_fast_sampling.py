@@ -13,22 +13,16 @@ import numpy as np
 import pytest
 import torch
 from helpers import CONF, CPU_KINDS, TINY_RUN, compose, perturbed_unet, sample, train, use_cpu
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
 from ddpm import precision
-from ddpm.diffusion.gaussian import eps_and_x0
-from ddpm.diffusion.generate import (
-    StaticBatch,
-    batch_seed,
-    compile_network,
-    generate,
-    to_channels_last,
-    to_uint8,
-)
-from ddpm.diffusion.samplers.base import network_call
+from ddpm.config import validate_config
+from ddpm.diffusion.denoiser import Denoised
+from ddpm.diffusion.gaussian import GaussianDiffusion, eps_and_x0
+from ddpm.diffusion.generate import batch_seed, denoiser_for, generate, to_uint8
+from ddpm.diffusion.network import StaticBatch, compile_network, network_call, to_channels_last
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas
@@ -37,24 +31,29 @@ from ddpm.sampling.run import resolve_batch_size
 from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
 BETAS = linear_betas(1000).double()
+DIFFUSION = GaussianDiffusion()  # linear schedule (BETAS), T = 1000, eps prediction
 
 
-def drawing(net, sampler, *, guidance=0.0, num_samples=10, batch_size=4, **options):
-    return generate(
-        net=net, betas=BETAS, prediction="eps", sampler=sampler, image_shape=(1, 8, 8), num_samples=num_samples,
-        labels=torch.arange(num_samples) % 10, null_class=10, guidance=guidance, seed=3, batch_size=batch_size,
-        **options,
-    ).images  # fmt: skip
+def drawing(net, sampler, *, guidance=0.0, num_samples=10, batch_size=4, precision="32", **options):
+    """Images as sample.py draws them: the denoiser of denoiser_for (net.num_classes is the null class; options:
+    channels_last, compile), labels 0..9 cycled, seed 3."""
+    rows = min(batch_size, num_samples)
+    d = denoiser_for(net, DIFFUSION, guidance=guidance, precision=precision, rows=rows, **options)
+    labels = torch.arange(num_samples) % 10
+    return generate(d, sampler, (num_samples, 1, 8, 8), labels=labels, seed=3, batch_size=batch_size).images
 
 
 class PreviousModel:
-    """The float32 path as it was before precision/compile existed (GuidedModel's old call), for comparison."""
+    """The float32 path as it was before precision/compile existed (the guided network call of the time, written
+    out), for comparison; it finds the timestep of each sigma on its own table."""
 
     def __init__(self, net, guidance):
-        self.net, self.guidance, self.nfe = net, guidance, 0
-        self.alpha_bar, self.num_timesteps = alpha_bar_from_betas(BETAS), len(BETAS)
+        self.net, self.guidance = net, guidance
+        self.alpha_bar = alpha_bar_from_betas(BETAS)
+        self.sigmas = ((1 - self.alpha_bar) / self.alpha_bar).sqrt()
 
-    def __call__(self, x_t, t, y):
+    def __call__(self, x_t, sigma, y):
+        t = (self.sigmas.view(1, -1) - sigma.view(-1, 1)).abs().argmin(1)
         if self.guidance == 0:
             out = self.net(x_t, t, y)
         else:
@@ -63,13 +62,7 @@ class PreviousModel:
             out = (1 + self.guidance) * cond - self.guidance * free
         a = self.alpha_bar[t].float().view(-1, 1, 1, 1)
         eps, x0 = eps_and_x0(out.float(), x_t, a, "eps")
-
-        class D:
-            pass
-
-        d = D()
-        d.eps, d.x0 = eps, x0
-        return d
+        return Denoised(eps=eps, x0=x0)
 
 
 def previous_path(net, sampler, *, guidance, num_samples=10, batch_size=4):
@@ -80,7 +73,8 @@ def previous_path(net, sampler, *, guidance, num_samples=10, batch_size=4):
         generator = torch.Generator().manual_seed(batch_seed(3, start))
         x_T = torch.randn((stop - start, 1, 8, 8), generator=generator)
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            x = sampler.sample(PreviousModel(net, guidance), x_T, labels[start:stop], generator=generator)
+            previous = PreviousModel(net, guidance)
+            x = sampler.sample(previous, x_T, previous.sigmas, labels[start:stop], generator=generator)
         images.append(to_uint8(x))
     return torch.cat(images)
 
@@ -94,12 +88,13 @@ def test_precision_32_is_bit_identical_to_the_previous_path(sampler, guidance):
 
 
 class Probe(nn.Module):
-    """A conv network that records, per call, its input dtype and the autocast state it runs under."""
+    """A conv network that records, per call, its input dtype and the autocast state it runs under; it takes labels
+    0-9 and the null class 10 (and ignores them)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(1, 1, 3, padding=1)
-        self.calls = []
+        self.calls, self.num_classes = [], 10
 
     def forward(self, x, t, y):
         self.calls.append((x.dtype, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
@@ -107,24 +102,23 @@ class Probe(nn.Module):
 
 
 class Recorded:
-    """A GuidedModel seen through a recorder: the x_t the sampler gives it, the eps/x0 dtypes it gets back."""
+    """A denoiser seen through a recorder: the x_t the sampler gives it, the eps/x0 dtypes it gets back."""
 
-    def __init__(self, model):
-        self.model, self.seen = model, []
-        self.num_timesteps, self.alpha_bar = model.num_timesteps, model.alpha_bar
+    def __init__(self, denoiser):
+        self.denoiser, self.seen, self.sigmas = denoiser, [], denoiser.sigmas
 
-    def __call__(self, x, t, y):
-        d = self.model(x, t, y)
+    def __call__(self, x, sigma, y):
+        d = self.denoiser(x, sigma, y)
         self.seen.append((x.dtype, d.eps.dtype, d.x0.dtype))
         return d
 
 
 class RecordingSampler(DDIMSampler):
-    """DDIM that records every model call's dtypes (the sampler update's inputs) and its output."""
+    """DDIM that records every denoiser call's dtypes (the sampler update's inputs) and its output."""
 
-    def sample(self, model, x_T, y, *, generator=None):
-        self.recorded = Recorded(model)
-        self.out = super().sample(self.recorded, x_T, y, generator=generator)
+    def sample(self, denoiser, x_T, sigmas, y, *, generator=None):
+        self.recorded = Recorded(denoiser)
+        self.out = super().sample(self.recorded, x_T, sigmas, y, generator=generator)
         return self.out
 
 
@@ -162,7 +156,7 @@ def test_bf16_and_compiled_images_are_close_to_float32(sampler, guidance):
     reference = drawing(net, sampler, guidance=guidance)
     mean, fraction = differences(drawing(net, sampler, guidance=guidance, precision="bf16"), reference)
     assert fraction > 0 and mean < 1.0 and fraction < 0.3, (mean, fraction)  # measured 0.15/14%, 0.30/7.7%
-    compiled = drawing(net, sampler, guidance=guidance, compile=True, compile_backend="aot_eager")
+    compiled = drawing(compile_network(net, "aot_eager"), sampler, guidance=guidance, compile=True)
     mean, fraction = differences(compiled, reference)
     assert mean < 0.5 and fraction < 0.05, (mean, fraction)  # measured: identical
     torch._dynamo.reset()
@@ -242,7 +236,7 @@ def test_auto_sampling_precision_is_bf16_only_where_it_is_faster(monkeypatch, na
     assert resolve_sampling_precision("auto", "cuda") == "bf16"
 
 
-def test_precision_and_batch_size_resolution(monkeypatch):
+def test_precision_and_batch_size_resolution(monkeypatch, tmp_path):
     assert resolve_sampling_precision("auto", "cpu") == ("bf16" if fast_bf16("cpu") else "32")
     assert resolve_sampling_precision(32, "cpu") == "32" and resolve_sampling_precision("bf16", "cpu") == "bf16"
     with pytest.raises(ValueError, match="precision='fp16' must be auto, 32 or bf16"):
@@ -250,8 +244,8 @@ def test_precision_and_batch_size_resolution(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_batch_size("auto", cpu, guided=False) == 64 and resolve_batch_size(None, cpu, guided=True) == 32
     assert default_batch_size(cuda, guided=True) == 256 and resolve_batch_size(100, cpu, guided=True) == 100
-    with pytest.raises(ValueError, match="batch_size"):
-        resolve_batch_size(0, cpu, guided=False)
+    with pytest.raises(ValueError, match=r"batch_size=0 is not"):  # checked once, by the config's schema
+        validate_config(compose("sample", ["ckpt=x", "batch_size=0", f"output_dir={tmp_path}"]), entry="sample")
 
 
 def test_config_keys(tmp_path):
@@ -261,9 +255,9 @@ def test_config_keys(tmp_path):
     assert grid.precision == "auto"
     for name in ("inception", "classifier"):
         assert OmegaConf.load(CONF / "callbacks" / "fid" / f"{name}.yaml").precision == "auto"
-    with pytest.raises(InstantiationException, match=r"callbacks\.sample_grid\.precision='fp16'"):
-        instantiate(compose("train", [f"paths.output_dir={tmp_path}", "callbacks.sample_grid.precision=fp16"])
-                    .callbacks.sample_grid)  # fmt: skip
+    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.precision='fp16' is not"):  # the schema's check
+        validate_config(compose("train", [f"paths.output_dir={tmp_path}", "callbacks.sample_grid.precision=fp16"]),
+                        entry="train")  # fmt: skip
 
 
 @pytest.mark.slow

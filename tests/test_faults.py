@@ -40,7 +40,7 @@ from ddpm.training import slurm_plugins, train
 from ddpm.weights import CheckpointError
 from ddpm.weights.lightning_io import AtomicCheckpointIO, NonFiniteCheckpointError
 from ddpm.weights.model import CHECKPOINT_KEY
-from ddpm.weights.torch_file import load_checkpoint
+from ddpm.weights.torch_file import export_ema, load_checkpoint
 
 # --- atomic checkpoints: kill -9 while writing ------------------------------------------------------------
 
@@ -429,16 +429,33 @@ def test_ckpt_path_last_finds_the_newest_run(tmp_path: Path, monkeypatch: pytest
 
 
 def test_guidance_on_an_unconditional_model_is_refused() -> None:
-    from ddpm.diffusion.samplers.base import GuidedModel
+    from ddpm.diffusion.denoiser import Guided
+    from ddpm.diffusion.gaussian import VPDenoiser
 
-    with pytest.raises(ValueError, match=r"guidance=2\.0 needs a class-conditional model"):
-        GuidedModel(net=nn.Identity(), betas=torch.linspace(1e-4, 0.02, 10, dtype=torch.float64), guidance=2.0,
-                    null_class=None)  # fmt: skip
+    plain = VPDenoiser(
+        net=nn.Identity(), alpha_bar=torch.linspace(0.99, 0.5, 10, dtype=torch.float64), prediction="eps"
+    )
+    with pytest.raises(ValueError, match=r"guidance=2\.0: guidance needs a class-conditional model"):
+        Guided(plain, guidance=2.0, null_class=None)
 
 
 @pytest.mark.parametrize("num_samples", [0, -3])
 def test_num_samples_not_positive_is_refused_before_loading(num_samples: int) -> None:
     from ddpm.sampling import sample
 
-    with pytest.raises(ValueError, match=f"num_samples={num_samples} must be > 0"):
+    with pytest.raises(ValueError, match=f"num_samples={num_samples} is not int > 0"):
         sample(OmegaConf.create({"ckpt": "/nonexistent.ckpt", "num_samples": num_samples}))
+
+
+def test_sampler_steps_beyond_the_models_t_name_the_key(tmp_path: Path) -> None:
+    """The sampler's steps are checked against the model's T when it is used: sample.py names sampler.steps."""
+    from ddpm.sampling import sample
+
+    diffusion = {"_target_": "ddpm.diffusion.gaussian.GaussianDiffusion", "num_timesteps": 50}
+    config = {"model": helpers.tiny_unet_config(), "diffusion": diffusion}
+    ckpt = export_ema(tmp_path / "ema.pt", helpers.tiny_unet().state_dict(), config)
+    overrides = [f"ckpt={ckpt}", "num_samples=2", "sampler=ddim", "sampler.steps=80", f"output_dir={tmp_path / 's'}"]
+    cfg = helpers.compose("sample", overrides)
+    with pytest.raises(ValueError, match=r"^sampler\.steps=80 must be between 1 and the model's T=50"):
+        sample(cfg)
+    assert not (tmp_path / "s" / "samples.npz").exists()

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
 from ddpm.diffusion.gaussian import (
     GaussianDiffusion,
     eps_and_x0,
@@ -159,11 +161,26 @@ def test_drop_labels_never_at_p0():
     assert torch.equal(diffusion.drop_labels(y, null_class=10), y)
 
 
-@pytest.mark.parametrize("kwargs", [{"prediction": "x0"}, {"loss_weighting": "snr"}, {"p_uncond": 1.0}])
-def test_bad_diffusion_settings_raise(kwargs):
-    """Invalid prediction, weighting or p_uncond raise a ValueError naming the diffusion.* key."""
-    with pytest.raises(ValueError, match=rf"diffusion\.{next(iter(kwargs))}"):
+@pytest.mark.parametrize(
+    ("kwargs", "refusal"),
+    [
+        ({"prediction": "x0"}, r"prediction='x0' is unknown; use 'eps' or 'v'"),
+        ({"loss_weighting": "snr"}, r"loss_weighting='snr' is unknown; use 'uniform' or 'min_snr'"),
+        ({"p_uncond": 1.0}, r"p_uncond=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_diffusion_settings_raise(kwargs, refusal):
+    """An invalid prediction, weighting or p_uncond is refused naming the argument and the choices (plain torch: no
+    Hydra key)."""
+    with pytest.raises(ValueError, match=f"^{refusal}"):
         GaussianDiffusion(**kwargs)
+
+
+def test_a_bad_setting_built_from_the_config_names_the_key():
+    """Built from a run config's `diffusion:` node (as train.py builds it), the refusal names diffusion.prediction."""
+    cfg = OmegaConf.create({"diffusion": {"_target_": "ddpm.diffusion.gaussian.GaussianDiffusion", "prediction": "x0"}})
+    with pytest.raises(ValueError, match=r"^diffusion\.prediction='x0' is unknown; use 'eps' or 'v'"):
+        build(cfg.diffusion)
 
 
 @pytest.mark.parametrize("prediction", ["eps", "v"])

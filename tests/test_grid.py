@@ -1,4 +1,4 @@
-"""sample.py's grid (ddpm.data.images.tile, save_png) against torchvision's make_grid and save_image."""
+"""sample.py's grid (ddpm.sampling.outputs.tile, save_png) against torchvision's make_grid and save_image."""
 
 import io
 
@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torchvision.utils import make_grid, save_image
 
-from ddpm.data.images import save_png, tile
+from ddpm.sampling.outputs import save_png, tile
 
 
 @pytest.mark.parametrize(("n", "channels", "nrow"), [(10, 1, 10), (7, 3, 3), (3, 1, 8), (16, 3, 4), (2, 1, 1)])

@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, compose, perturbed_unet, sample, tiny_unet_config
+from helpers import REPO, compose, denoiser, perturbed_unet, sample, tiny_unet_config
 from omegaconf import OmegaConf
 
 from ddpm.config import validate_config
 from ddpm.diffusion.generate import generate
-from ddpm.diffusion.samplers.base import GuidedModel
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.schedule import linear_betas, respaced_timesteps
 from ddpm.sampling.runtime import guidance_interval
@@ -40,7 +39,7 @@ class Constant:
 
 
 def test_sigma_agrees_with_an_independent_schedule() -> None:
-    assert np.allclose(GuidedModel(net=Constant(), betas=BETAS).sigmas.numpy(), sigmas_numpy(), rtol=1e-12)
+    assert np.allclose(denoiser(Constant(), BETAS).sigmas.numpy(), sigmas_numpy(), rtol=1e-12)
 
 
 def test_rows_inside_are_guided_and_rows_outside_are_conditional_in_one_batch() -> None:
@@ -48,8 +47,8 @@ def test_rows_inside_are_guided_and_rows_outside_are_conditional_in_one_batch() 
     t = torch.tensor([0, 250, 400, 999])  # sigma ~0.01, ~0.95, ~2.2, ~157
     lo, hi = 0.5, 5.0
     net = Constant()
-    model = GuidedModel(net=net, betas=BETAS, guidance=2.0, null_class=NULL, guidance_interval=(lo, hi))
-    eps = model(torch.zeros(4, 1, 2, 2), t, torch.full((4,), 3)).eps
+    d = denoiser(net, BETAS, guidance=2.0, null_class=NULL, guidance_interval=(lo, hi))
+    eps = d(torch.zeros(4, 1, 2, 2), d.sigmas[t], torch.full((4,), 3)).eps
     inside = (sigma[t.numpy()] > lo) & (sigma[t.numpy()] <= hi)
     assert inside.tolist() == [False, True, True, False]
     expected = np.where(inside, 3 * 1.5 - 2 * 0.5, 1.5)  # (1 + w) cond - w uncond, or cond
@@ -60,16 +59,14 @@ def test_rows_inside_are_guided_and_rows_outside_are_conditional_in_one_batch() 
 @pytest.mark.parametrize(("t", "rows", "eps"), [(999, 4, 1.5), (300, 8, 3.5), (1, 4, 1.5)])
 def test_a_step_outside_calls_the_network_on_b_rows_only(t: int, rows: int, eps: float) -> None:
     net = Constant()
-    model = GuidedModel(net=net, betas=BETAS, guidance=2.0, null_class=NULL, guidance_interval=(0.3, 5.0))
-    out = model(torch.zeros(4, 1, 2, 2), torch.full((4,), t), torch.full((4,), 7)).eps
-    assert net.rows == [rows] and torch.allclose(out, torch.full_like(out, eps)) and model.nfe == 1
+    d = denoiser(net, BETAS, guidance=2.0, null_class=NULL, guidance_interval=(0.3, 5.0))
+    out = d(torch.zeros(4, 1, 2, 2), d.sigmas[torch.full((4,), t)], torch.full((4,), 7)).eps
+    assert net.rows == [rows] and torch.allclose(out, torch.full_like(out, eps)) and d.calls == 1
 
 
-def draw(net, **options) -> torch.Tensor:
-    return generate(
-        net=net, betas=BETAS, prediction="eps", sampler=DDIMSampler(steps=10), image_shape=(1, 8, 8), num_samples=6,
-        labels=torch.arange(6) % 10, null_class=NULL, seed=3, batch_size=6, **options,
-    ).images  # fmt: skip
+def draw(net, *, guidance: float, guidance_interval: tuple[float, float] | None = None) -> torch.Tensor:
+    d = denoiser(net, BETAS, guidance=guidance, null_class=NULL, guidance_interval=guidance_interval)
+    return generate(d, DDIMSampler(steps=10), (6, 1, 8, 8), labels=torch.arange(6) % 10, seed=3, batch_size=6).images
 
 
 def test_an_interval_holding_every_step_is_plain_guidance_and_an_empty_one_is_none() -> None:
@@ -103,7 +100,7 @@ def test_a_bad_interval_is_refused_naming_the_key(bad: list[float]) -> None:
     with pytest.raises(ValueError, match=r"guidance_interval=.*sigma_lo.*guidance_interval=null"):
         guidance_interval(bad)
     with pytest.raises(ValueError, match="sigma_lo"):
-        GuidedModel(net=Constant(), betas=BETAS, guidance=1.0, null_class=NULL, guidance_interval=tuple(bad))
+        denoiser(Constant(), BETAS, guidance=1.0, null_class=NULL, guidance_interval=tuple(bad))
 
 
 def test_sample_config_takes_an_interval_or_null() -> None:
@@ -156,7 +153,7 @@ def test_the_grid_draws_with_its_interval(monkeypatch) -> None:
     from ddpm.diffusion.gaussian import GaussianDiffusion
 
     net = perturbed_unet()
-    module = SimpleNamespace(net=net, diffusion=GaussianDiffusion(), device=torch.device("cpu"))
+    module = SimpleNamespace(net=net, diffusion=GaussianDiffusion(), device=torch.device("cpu"), hparams={})
     trainer = SimpleNamespace(callbacks=[])
     drawn = sample_grid.sample_with_ema(trainer, module, sampler=DDIMSampler(steps=10), num_samples=6, guidance=2.0,
                                         seed=3, batch_size=6, precision="32", guidance_interval=(0.3, 5.0))  # fmt: skip

@@ -290,8 +290,8 @@ def test_a_failed_write_at_each_file_keeps_the_previous_export_and_names_the_fil
 ) -> None:
     """Export b over export a, the disk full at each of the 5 file writes in turn: a stays byte for byte, nothing
     is left beside it, the error names the file and the bytes; then a retry writes b whole."""
+    from ddpm.atomic import WriteError
     from ddpm.weights import load_model
-    from ddpm.weights.atomic import WriteError
     from ddpm.weights.diffusers_folder import EXPORT_FILES, export_diffusers
 
     out = shutil.copytree(exports["a"], tmp_path / "out")
@@ -417,7 +417,8 @@ def test_without_renameat2_the_old_export_is_renamed_aside_and_put_back_after_a_
     """Where the filesystem cannot swap two folders in one step: rename the old one aside, the new one in, delete the
     old. A process killed between the renames leaves no `out` and the old export hidden beside it: the next export
     first puts it back (so a failing retry still leaves the old export), then replaces it."""
-    from ddpm.weights import atomic, load_model
+    from ddpm import atomic
+    from ddpm.weights import load_model
     from ddpm.weights.diffusers_folder import export_diffusers
 
     monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
@@ -501,7 +502,7 @@ def test_sample_refuses_an_output_dir_under_a_file_before_drawing(
     exports: dict[str, Path], tmp_path: Path, no_drawing: None
 ) -> None:
     """A path under a regular file (cannot be created, also as root): a WriteError naming output_dir; nothing drawn."""
-    from ddpm.weights.atomic import WriteError
+    from ddpm.atomic import WriteError
 
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "samples"
@@ -513,7 +514,7 @@ def test_sample_refuses_an_output_dir_under_a_file_before_drawing(
 def test_sample_refuses_a_read_only_output_dir_before_drawing(
     exports: dict[str, Path], tmp_path: Path, no_drawing: None
 ) -> None:
-    from ddpm.weights.atomic import WriteError
+    from ddpm.atomic import WriteError
 
     out = tmp_path / "read-only"
     out.mkdir(mode=0o555)
@@ -526,7 +527,7 @@ def test_sample_refuses_an_output_dir_without_room_before_drawing(
 ) -> None:
     """100 bytes free for 4 images of 1x8x8 (256 bytes in samples.npz, and the grid): refused naming output_dir,
     num_samples and the bytes."""
-    from ddpm.weights.atomic import WriteError
+    from ddpm.atomic import WriteError
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100))
@@ -542,8 +543,8 @@ def test_sample_creates_a_missing_output_dir_and_writes_its_outputs_atomically(
     over those outputs leaves the previous samples.npz byte for byte and no temporary file."""
     import numpy as np
 
-    from ddpm.sampling import run
-    from ddpm.weights.atomic import WriteError
+    from ddpm.atomic import WriteError
+    from ddpm.sampling import outputs
 
     out = tmp_path / "new" / "nested"
     drawn = sample_in_process(exports["ema_a"], out)
@@ -554,7 +555,7 @@ def test_sample_creates_a_missing_output_dir_and_writes_its_outputs_atomically(
         file.write(b"PK\x03\x04 half an archive")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(run.np, "savez", savez)
+    monkeypatch.setattr(outputs.np, "savez", savez)
     with pytest.raises(WriteError, match=re.escape(f"could not write {out / 'samples.npz'} (No space left")):
-        run.write_outputs(drawn, out, nrow=2)
+        outputs.write_samples(drawn.images, drawn.labels, out, nrow=2)
     assert contents(out)["samples.npz"] == before["samples.npz"] and hidden(out) == []

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ddpm.data.sources import DigitsSource
 from ddpm.metrics import features as features_module
 from ddpm.metrics.classifier import SmallClassifier, save_state, save_torchscript
+from ddpm.metrics.evaluate import shard
 from ddpm.metrics.features import INCEPTION_FILE, INCEPTION_URL, FeatureExtractor, classifier_extractor
 from ddpm.metrics.fid import (
     FeatureStats,
@@ -24,7 +25,6 @@ from ddpm.metrics.fid import (
     reference_path,
     reference_stats,
 )
-from ddpm.metrics.sharding import shard
 
 
 def features_with_moments(mean: Tensor, cov: Tensor, n: int, seed: int) -> Tensor:

@@ -5,7 +5,9 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
 from ddpm.optim import AdamW
 
 
@@ -53,11 +55,28 @@ def test_cosine_is_halfway_at_the_middle_of_the_decay() -> None:
     assert optim.lr_factor(50, 100) == pytest.approx(0.5) and optim.lr_factor(100, 100) == pytest.approx(0.0)
 
 
-def test_a_decay_needs_the_run_length_and_bad_values_name_the_key() -> None:
-    with pytest.raises(ValueError, match=r"optim.decay=cosine .* needs trainer.max_steps"):
-        AdamW(decay="cosine").build([torch.nn.Parameter(torch.zeros(1))], global_batch_size=64, total_steps=-1)
-    with pytest.raises(ValueError, match=r"optim.decay='step' is unknown"):
+def test_a_decay_needs_the_run_length_and_bad_values_are_refused_by_argument() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"^decay=cosine decays the LR to the last step, so it needs .* total_steps "
+                                         r"\(now -1: the Trainer's max_steps\); give it, or decay=none"):  # fmt: skip
+        AdamW(decay="cosine").build([param], global_batch_size=64, total_steps=-1)
+    with pytest.raises(ValueError, match=r"^decay='step' is unknown; use none, cosine or linear"):
         AdamW(decay="step")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"optim.min_lr_ratio=2 must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"^min_lr_ratio=2 must be in \[0, 1\]"):
         AdamW(min_lr_ratio=2)
-    AdamW(decay="none").build([torch.nn.Parameter(torch.zeros(1))], global_batch_size=64, total_steps=-1)  # fine
+    AdamW(decay="none").build([param], global_batch_size=64, total_steps=-1)  # fine
+
+
+@pytest.mark.parametrize(
+    ("bad", "refusal"),
+    [
+        ({"decay": "step"}, r"^optim\.decay='step' is unknown; use none, cosine or linear"),
+        # two arguments in one message; `decay=` inside `weight_decay=` is not an argument of its own
+        ({"weight_decay": -0.1}, r"^optim\.weight_decay=-0.1 must be >= 0 and optim\.eps=1e-08 > 0"),
+    ],
+)
+def test_bad_values_built_from_the_config_name_the_key(bad: dict, refusal: str) -> None:
+    """Built from a run config's `optim:` node (as train.py builds it), the refusal names the optim.* keys."""
+    cfg = OmegaConf.create({"optim": {"_target_": "ddpm.optim.AdamW", **bad}})
+    with pytest.raises(ValueError, match=refusal):
+        build(cfg.optim)

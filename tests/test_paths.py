@@ -10,7 +10,6 @@ import csv
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ import yaml
 from helpers import TINY_RUN, compose, sample, train
 from PIL import Image
 
-from ddpm.callbacks.sample_grid import SampleGrid
-from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.sampling.runtime import check_guidance
+from ddpm.training import check_callback_guidance
 from ddpm.weights.model import run_config
 from ddpm.weights.torch_file import load_checkpoint
 
@@ -40,36 +38,41 @@ def test_check_guidance_accepts_what_the_model_can_do(guidance, num_classes, p_u
 
 
 def test_check_guidance_refuses_an_unconditional_model() -> None:
-    with pytest.raises(ValueError, match=r"guidance=3\.0 needs a class-conditional model.*unconditional"):
+    with pytest.raises(
+        ValueError,
+        match=r"^guidance=3\.0: guidance needs a class-conditional model.*unconditional; set guidance=0",
+    ):
         check_guidance(3.0, num_classes=None, p_uncond=0.1)
 
 
 def test_check_guidance_refuses_an_untrained_null_class() -> None:
     """p_uncond=0: the null class never saw a training label; the error names the key, p_uncond and the fix."""
-    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.guidance=2\.0 .*diffusion\.p_uncond=0\.0") as info:
+    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.guidance=2\.0: .*diffusion\.p_uncond=0\.0") as info:
         check_guidance(2.0, num_classes=10, p_uncond=0.0, key="callbacks.sample_grid.guidance")
     assert "set callbacks.sample_grid.guidance=0" in str(info.value)
     assert "diffusion.p_uncond > 0" in str(info.value)
 
 
 def test_check_guidance_refuses_a_negative_weight() -> None:
-    with pytest.raises(ValueError, match=r"guidance=-1\.0 must be >= 0"):
+    with pytest.raises(
+        ValueError, match=r"^guidance=-1\.0: a guidance weight must be >= 0 .*; set guidance=0 or a positive weight$"
+    ):
         check_guidance(-1.0, num_classes=10, p_uncond=0.1)
 
 
-def fake_module(num_classes: int | None, p_uncond: float) -> SimpleNamespace:
-    return SimpleNamespace(net=SimpleNamespace(num_classes=num_classes), diffusion=SimpleNamespace(p_uncond=p_uncond))
-
-
-def test_sample_grid_checks_guidance_when_fitting_starts() -> None:
-    """SampleGrid.setup('fit') refuses guidance the model cannot honour, before any training step."""
-    grid = SampleGrid(sampler=DDPMSampler(steps=4), guidance=3.0)
-    grid.setup(None, fake_module(10, 0.1), "fit")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.guidance=3\.0 .*diffusion\.p_uncond=0"):
-        grid.setup(None, fake_module(10, 0.0), "fit")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"callbacks\.sample_grid\.guidance=3\.0 needs a class-conditional"):
-        grid.setup(None, fake_module(None, 0.1), "fit")  # type: ignore[arg-type]
-    SampleGrid(sampler=DDPMSampler(steps=4)).setup(None, fake_module(10, 0.0), "fit")  # type: ignore[arg-type]
+def test_train_refuses_a_callback_guidance_the_model_cannot_honour_before_reading_data() -> None:
+    """train() checks the sample grid's and FID's guidance at entry (the callbacks do not check again)."""
+    config = {
+        "model": {"num_classes": 10},
+        "diffusion": {"p_uncond": 0.0},
+        "callbacks": {"sample_grid": {"guidance": 3.0}},
+    }
+    with pytest.raises(ValueError, match=r"^callbacks\.sample_grid\.guidance=3\.0: .*diffusion\.p_uncond=0\.0"):
+        check_callback_guidance(config)
+    config["model"]["num_classes"] = None
+    with pytest.raises(ValueError, match=r"^callbacks\.sample_grid\.guidance=3\.0: guidance needs a class-conditional"):
+        check_callback_guidance(config)
+    check_callback_guidance(config | {"callbacks": {"sample_grid": {"guidance": 0.0}}})
 
 
 # --- tiny runs (module-scoped: each trained once) -----------------------------------------------------------

@@ -5,9 +5,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from helpers import denoiser
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
+from ddpm.diffusion.denoiser import Guided
 from ddpm.diffusion.generate import generate
-from ddpm.diffusion.samplers.base import GuidedModel
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.schedule import make_betas
 
@@ -38,12 +41,12 @@ def test_oracle_sampling_returns_x0(schedule, steps):
     """With the exact eps of a point-mass data set, sampling on all T or respaced steps returns x0."""
     betas = make_betas(schedule, T)
     x0 = fixed_image()
-    model = GuidedModel(net=oracle(x0, betas), betas=betas)
+    d = denoiser(oracle(x0, betas), betas)
     generator = torch.Generator().manual_seed(1)
     x_T = torch.randn(x0.shape, generator=generator)
-    out = DDPMSampler(steps=steps).sample(model, x_T, None, generator=generator)
+    out = DDPMSampler(steps=steps).sample(d, x_T, d.sigmas, None, generator=generator)
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-4)
-    assert model.nfe == (steps or T)
+    assert d.calls == (steps or T)
 
 
 @pytest.mark.parametrize("steps", [None, 50])
@@ -53,10 +56,10 @@ def test_oracle_chain_marginals(steps):
     alpha_bar = np.cumprod(1 - betas.numpy())
     x0 = torch.full((4, 1, 64, 64), 0.5)  # 16384 independent pixels
     inputs = []
-    model = GuidedModel(net=oracle(x0, betas, inputs), betas=betas)
+    d = denoiser(oracle(x0, betas, inputs), betas)
     generator = torch.Generator().manual_seed(2)
     x_T = np.sqrt(alpha_bar[-1]) * x0 + np.sqrt(1 - alpha_bar[-1]) * torch.randn(x0.shape, generator=generator)
-    DDPMSampler(steps=steps).sample(model, x_T.float(), None, generator=generator)
+    DDPMSampler(steps=steps).sample(d, x_T.float(), d.sigmas, None, generator=generator)
     n = x0.numel()
     for t, x_t in inputs[:: max(1, len(inputs) // 12)]:
         values = x_t.double().numpy().ravel()
@@ -73,9 +76,10 @@ def test_step_variance_closed_form(variance):
     ab = np.cumprod(1 - b)
     x0 = torch.full((4, 1, 100, 100), -0.25)
     inputs = []
-    model = GuidedModel(net=oracle(x0, betas, inputs), betas=betas)
+    d = denoiser(oracle(x0, betas, inputs), betas)
     generator = torch.Generator().manual_seed(3)
-    DDPMSampler(variance=variance).sample(model, torch.randn(x0.shape, generator=generator), None, generator=generator)
+    x_T = torch.randn(x0.shape, generator=generator)
+    DDPMSampler(variance=variance).sample(d, x_T, d.sigmas, None, generator=generator)
     assert [t for t, _ in inputs] == [4, 3, 2, 1, 0]
     n = x0.numel()
     for (t, x_t), (_, x_prev) in itertools.pairwise(inputs):
@@ -90,11 +94,19 @@ def test_step_variance_closed_form(variance):
 
 
 def test_bad_sampler_settings_raise():
-    """Unknown variance or steps < 1 raise ValueError naming the sampler.* key."""
-    with pytest.raises(ValueError, match=r"sampler\.variance"):
+    """Unknown variance or steps < 1 raise ValueError naming the argument; built from a config node at `sampler`,
+    the refusal names the key the user sets."""
+    with pytest.raises(ValueError, match=r"^variance='learned' is unknown; use 'fixed_small' or 'fixed_large'$"):
         DDPMSampler(variance="learned")
-    with pytest.raises(ValueError, match=r"sampler\.steps"):
+    with pytest.raises(ValueError, match=r"^steps=0 must be >= 1, or null for all T timesteps$"):
         DDPMSampler(steps=0)
+    for key, value, refusal in [
+        ("variance", "learned", r"^sampler\.variance='learned' is unknown; use 'fixed_small' or 'fixed_large'$"),
+        ("steps", 0, r"^sampler\.steps=0 must be >= 1, or null for all T timesteps$"),
+    ]:
+        cfg = OmegaConf.create({"sampler": {"_target_": "ddpm.diffusion.samplers.ddpm.DDPMSampler", key: value}})
+        with pytest.raises(ValueError, match=refusal):
+            build(cfg.sampler)
 
 
 def noisy_net(x, t, y):
@@ -103,19 +115,10 @@ def noisy_net(x, t, y):
     return 0.5 * x + 1e-3 * t.view(-1, 1, 1, 1).float() + shift
 
 
-def run_generate(seed: int, **kwargs):
-    betas = make_betas("linear", T)
-    defaults = dict(
-        net=noisy_net,
-        betas=betas,
-        prediction="eps",
-        sampler=DDPMSampler(steps=20),
-        image_shape=(1, 4, 4),
-        num_samples=6,
-        batch_size=4,
-        seed=seed,
-    )
-    return generate(**(defaults | kwargs))
+def run_generate(seed: int, *, net=noisy_net, num_samples: int = 6, guidance: float = 0.0, null_class=None, **kwargs):
+    """DDPM-20 through `generate` on 1x4x4 images in batches of 4; kwargs go to generate (labels, first_index)."""
+    d = denoiser(net, make_betas("linear", T), guidance=guidance, null_class=null_class)
+    return generate(d, DDPMSampler(steps=20), (num_samples, 1, 4, 4), batch_size=4, seed=seed, **kwargs)
 
 
 def test_same_seed_same_images():
@@ -150,10 +153,10 @@ def test_guidance_is_one_batched_forward():
     """Guidance w: eps = (1 + w) eps(y) - w eps(null), from ONE forward on a doubled batch."""
     betas = make_betas("linear", T)
     counting = CountingNet(noisy_net)
-    model = GuidedModel(net=counting, betas=betas, guidance=2.5, null_class=10)
+    d = denoiser(counting, betas, guidance=2.5, null_class=10)
     x_t, t, y = torch.randn(3, 1, 4, 4), torch.tensor([5, 500, 999]), torch.tensor([0, 4, 9])
-    eps = model(x_t, t, y).eps
-    assert counting.calls == 1 and counting.batch_sizes == [6] and model.nfe == 1
+    eps = d(x_t, d.sigmas[t], y).eps
+    assert counting.calls == 1 and counting.batch_sizes == [6] and d.calls == 1
     expected = 3.5 * noisy_net(x_t, t, y) - 2.5 * noisy_net(x_t, t, torch.full((3,), 10))
     torch.testing.assert_close(eps, expected, rtol=1e-5, atol=1e-5)
 
@@ -162,7 +165,7 @@ def test_guidance_with_v_prediction_mixes_eps():
     """For a v network, guided eps equals (1 + w) eps_cond - w eps_uncond, each converted from v by hand."""
     betas = make_betas("cosine", T)
     ab = torch.from_numpy(np.cumprod(1 - betas.numpy()))
-    model = GuidedModel(net=noisy_net, betas=betas, prediction="v", guidance=1.5, null_class=10)
+    d = denoiser(noisy_net, betas, prediction="v", guidance=1.5, null_class=10)
     x_t, t, y = torch.randn(2, 1, 4, 4), torch.tensor([100, 800]), torch.tensor([1, 2])
     a = ab[t].view(-1, 1, 1, 1)
 
@@ -170,7 +173,7 @@ def test_guidance_with_v_prediction_mixes_eps():
         return (1 - a).sqrt() * x_t.double() + a.sqrt() * v.double()
 
     expected = 2.5 * eps_from_v(noisy_net(x_t, t, y)) - 1.5 * eps_from_v(noisy_net(x_t, t, torch.full((2,), 10)))
-    torch.testing.assert_close(model(x_t, t, y).eps.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d(x_t, d.sigmas[t], y).eps.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_nfe_counts_guided_steps_once():
@@ -186,21 +189,21 @@ def test_nfe_counts_guided_steps_once():
 def test_no_guidance_single_forward():
     """guidance=0 calls the network once per step on the plain batch, with the given labels."""
     counting = CountingNet(noisy_net)
-    model = GuidedModel(net=counting, betas=make_betas("linear", T), guidance=0.0, null_class=10)
+    d = denoiser(counting, make_betas("linear", T), guidance=0.0, null_class=10)
     x_t, t, y = torch.randn(2, 1, 4, 4), torch.tensor([1, 2]), torch.tensor([3, 4])
-    torch.testing.assert_close(model(x_t, t, y).eps, noisy_net(x_t, t, y))
+    torch.testing.assert_close(d(x_t, d.sigmas[t], y).eps, noisy_net(x_t, t, y))
     assert counting.batch_sizes == [2]
 
 
 def test_guidance_on_unconditional_model_raises():
     """Guidance without a null class (an unconditional model) raises a ValueError that says so."""
-    with pytest.raises(ValueError, match="unconditional"):
-        GuidedModel(net=noisy_net, betas=make_betas("linear", T), guidance=1.0, null_class=None)
-    with pytest.raises(ValueError, match="unconditional"):
-        run_generate(0, guidance=3.0)
+    plain = denoiser(noisy_net, make_betas("linear", T))
+    with pytest.raises(ValueError, match=r"guidance=1\.0: .*unconditional"):
+        Guided(plain, guidance=1.0, null_class=None)
 
 
 def test_negative_guidance_raises():
-    """A negative guidance weight is refused."""
-    with pytest.raises(ValueError, match="guidance"):
-        GuidedModel(net=noisy_net, betas=make_betas("linear", T), guidance=-1.0, null_class=10)
+    """A negative guidance weight is refused by the guidance wrapper itself."""
+    plain = denoiser(noisy_net, make_betas("linear", T))
+    with pytest.raises(ValueError, match=r"guidance=-1\.0: .*must be >= 0"):
+        Guided(plain, guidance=-1.0, null_class=10)

@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from ddpm.config.build import build
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.schedule import (
     alpha_bar_from_betas,
@@ -119,8 +121,8 @@ def test_respaced_single_step_is_last_timestep():
 
 @pytest.mark.parametrize("steps", [0, 1001])
 def test_respaced_timesteps_out_of_range(steps):
-    """S outside 1..T raises a ValueError naming sampler.steps."""
-    with pytest.raises(ValueError, match=r"sampler\.steps"):
+    """S outside 1..T raises a ValueError naming steps and the model's T."""
+    with pytest.raises(ValueError, match=rf"^steps={steps} must be between 1 and the model's T=1000"):
         respaced_timesteps(1000, steps)
 
 
@@ -159,17 +161,32 @@ def test_gaussian_diffusion_buffers_float32_exact(schedule):
 
 
 def test_unknown_schedule_raises():
-    """An unknown schedule name raises a ValueError naming diffusion.schedule."""
-    with pytest.raises(ValueError, match=r"diffusion\.schedule"):
+    """An unknown schedule name raises a ValueError naming schedule and the known ones; built from a config node at
+    `diffusion`, it names diffusion.schedule."""
+    refusal = r"schedule='quadratic' is unknown; use one of \['cosine', 'linear'\]$"
+    with pytest.raises(ValueError, match="^" + refusal):
         make_betas("quadratic", 1000)
-    with pytest.raises(ValueError, match=r"diffusion\.schedule"):
+    with pytest.raises(ValueError, match="^" + refusal):
         GaussianDiffusion(schedule="quadratic")
+    with pytest.raises(ValueError, match=r"^diffusion\." + refusal):
+        build(diffusion_node(schedule="quadratic"))
 
 
 @pytest.mark.parametrize("T", [0, -5])
 def test_nonpositive_T_raises(T):
-    """T < 1 raises a ValueError naming diffusion.num_timesteps."""
-    with pytest.raises(ValueError, match=r"diffusion\.num_timesteps"):
+    """T < 1 raises a ValueError naming num_timesteps; built from a config node at `diffusion`, it names
+    diffusion.num_timesteps."""
+    refusal = rf"num_timesteps={T} must be >= 1 \(1000 is the usual value\)$"
+    with pytest.raises(ValueError, match="^" + refusal):
         make_betas("linear", T)
-    with pytest.raises(ValueError, match=r"diffusion\.num_timesteps"):
+    with pytest.raises(ValueError, match="^" + refusal):
         GaussianDiffusion(num_timesteps=T)
+    with pytest.raises(ValueError, match=r"^diffusion\." + refusal):
+        build(diffusion_node(num_timesteps=T))
+
+
+def diffusion_node(**arguments):
+    """A `diffusion:` config node of GaussianDiffusion with `arguments`, as a run config holds it."""
+    return OmegaConf.create(
+        {"diffusion": {"_target_": "ddpm.diffusion.gaussian.GaussianDiffusion", **arguments}}
+    ).diffusion

@@ -8,14 +8,16 @@ and RestartSampler.
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
-from helpers import CONF, compose
+from helpers import CONF, compose, denoiser
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.config.build import build
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.diffusion.samplers.dpm_solver import DPMSolverSampler
@@ -97,8 +99,8 @@ def test_dpm_solver_sde_matches_diffusers(schedule, prediction, clip, spacing, s
     betas = make_betas(schedule, T)
     ours_seen, theirs_seen = [], []
     sampler = DPMSolverSDESampler(steps=steps, spacing=spacing, clip_denoised=clip)
-    model = GuidedModel(net=toy_net(prediction, betas, ours_seen), betas=betas, prediction=prediction)
-    out = sampler.sample(model, start(), None, generator=torch.Generator().manual_seed(3))
+    d = denoiser(toy_net(prediction, betas, ours_seen), betas, prediction=prediction)
+    out = sampler.sample(d, start(), d.sigmas, None, generator=torch.Generator().manual_seed(3))
     theirs = run_diffusers_sde(
         betas, toy_net(prediction, betas, theirs_seen), prediction, clip, spacing, steps, start(), 3
     )
@@ -177,9 +179,9 @@ ATOL = {"linear": 1e-4, "cosine": 1.5e-3}
 
 def run_ours(sampler, net, betas, x_T, seed=7):
     seen = []
-    model = GuidedModel(net=lambda x, t, y: (seen.append(int(t[0])), net(x, t, y))[1], betas=betas)
-    out = sampler.sample(model, x_T, None, generator=torch.Generator().manual_seed(seed))
-    return seen, out, model.nfe
+    d = denoiser(lambda x, t, y: (seen.append(int(t[0])), net(x, t, y))[1], betas)
+    out = sampler.sample(d, x_T, d.sigmas, None, generator=torch.Generator().manual_seed(seed))
+    return seen, out, d.calls
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
@@ -281,7 +283,8 @@ def test_samplers_land_on_the_gaussian_data(name):
     betas, seen = make_betas("linear", T), []
     generator = torch.Generator().manual_seed(5)
     x_T = torch.randn((4096, 1, 4, 4), generator=generator)
-    out = make().sample(GuidedModel(net=gaussian_net(betas, seen), betas=betas), x_T, None, generator=generator)
+    d = denoiser(gaussian_net(betas, seen), betas)
+    out = make().sample(d, x_T, d.sigmas, None, generator=generator)
     a = alpha_bar64(betas)[seen[-1]]
     expected = S * math.sqrt(a * S**2 / (a * S**2 + 1 - a))  # std of E[x0 | x_t] for x_t ~ q(x_t) at the last call
     out = out.double()
@@ -305,7 +308,8 @@ NFE_CASES = {
 
 @pytest.mark.parametrize("name", sorted(NFE_CASES))
 def test_network_evaluations_is_what_the_model_counts(name):
-    """network_evaluations() is the number of network calls model.nfe counts for one batch (and the stated NFE)."""
+    """network_evaluations() is the number of network calls the denoiser counts for one batch (and the stated
+    NFE)."""
     make, nfe = NFE_CASES[name]
     betas = make_betas("linear", T)
     sampler = make()
@@ -333,39 +337,46 @@ def test_same_seed_same_images_float32(name):
     assert runs[0].abs().max() <= 1
 
 
-@pytest.mark.parametrize(
-    ("build", "key"),
-    [
-        (lambda: DPMSolverSDESampler(steps=0), "sampler.steps"),
-        (lambda: DPMSolverSDESampler(spacing="quadratic"), "sampler.spacing"),
-        (lambda: DPMSolverSDESampler(steps_offset=-1), "sampler.steps_offset"),
-        (lambda: EDMSampler(steps=0), "sampler.steps"),
-        (lambda: EDMSampler(churn=-1), "sampler.churn=-1 must be >= 0"),
-        (lambda: EDMSampler(s_noise=-0.5), "sampler.s_noise"),
-        (lambda: EDMSampler(rho=0), "sampler.rho"),
-        (lambda: EDMSampler(s_tmin=2.0, s_tmax=1.0), "sampler.s_tmin"),
-        (lambda: EDMSampler(sigma_min=0.0), "sampler.sigma_min"),
-        (lambda: EDMSampler(sigma_min=1.0, sigma_max=0.5), "sampler.sigma_max"),
-        (lambda: RestartSampler(steps=1), "sampler.steps"),
-        (lambda: RestartSampler(restart_steps=0), "sampler.restart_steps"),
-        (lambda: RestartSampler(restarts=-1), "sampler.restarts"),
-        (lambda: RestartSampler(t_min=0.5, t_max=0.3), "sampler.t_min"),
-        (lambda: RestartSampler(s_noise=-1), "sampler.s_noise"),
-        (lambda: RestartSampler(rho=-7), "sampler.rho"),
-    ],
-)
-def test_bad_settings_name_the_key(build, key):
-    """Bad settings raise ValueError at construction, naming the sampler.* key to change."""
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        build()
+SDE, EDM, RESTART = DPMSolverSDESampler, EDMSampler, RestartSampler
+BAD_SETTINGS = [  # (class, arguments, the refusal; {key} is where the Hydra key goes: "" in plain torch)
+    (SDE, dict(steps=0), "{key}steps=0 must be >= 1"),
+    (SDE, dict(spacing="quadratic"), "{key}spacing='quadratic' is unknown; use one of ['leading', "),
+    (SDE, dict(steps_offset=-1), "{key}steps_offset=-1 must be >= 0"),
+    (EDM, dict(steps=0), "{key}steps=0 must be >= 1"),
+    (EDM, dict(churn=-1), "{key}churn=-1 must be >= 0"),
+    (EDM, dict(s_noise=-0.5), "{key}s_noise=-0.5 must be >= 0"),
+    (EDM, dict(rho=0), "{key}rho=0 must be > 0"),
+    (EDM, dict(s_tmin=2.0, s_tmax=1.0), "{key}s_tmin=2.0 must be <= {key}s_tmax=1.0"),
+    (EDM, dict(sigma_min=0.0), "{key}sigma_min=0.0 must be > 0, or null for the model's"),
+    (EDM, dict(sigma_min=1.0, sigma_max=0.5), "{key}sigma_max=0.5 must be > sigma_min"),
+    (RESTART, dict(steps=1), "{key}steps=1 must be >= 2"),
+    (RESTART, dict(restart_steps=0), "{key}restart_steps=0 must be >= 1"),
+    (RESTART, dict(restarts=-1), "{key}restarts=-1 must be >= 0"),
+    (RESTART, dict(t_min=0.5, t_max=0.3), "{key}t_min=0.5 must be > 0 and < {key}t_max=0.3"),
+    (RESTART, dict(s_noise=-1), "{key}s_noise=-1 must be >= 0"),
+    (RESTART, dict(rho=-7), "{key}rho=-7 must be > 0"),
+]
+
+
+@pytest.mark.parametrize(("cls", "arguments", "refusal"), BAD_SETTINGS)
+def test_bad_settings_name_the_argument_and_built_from_a_config_the_key(cls, arguments, refusal):
+    """A bad setting is refused at construction: plain torch names its own argument (no Hydra key); built from a
+    config node at `sampler` (ddpm.config.build), the same refusal names the key the user sets, sampler.*, for
+    every argument it names."""
+    with pytest.raises(ValueError, match="^" + re.escape(refusal.format(key=""))):
+        cls(**arguments)
+    cfg = OmegaConf.create({"sampler": {"_target_": f"{cls.__module__}.{cls.__qualname__}", **arguments}})
+    with pytest.raises(ValueError, match="^" + re.escape(refusal.format(key="sampler."))):
+        build(cfg.sampler)
 
 
 def test_restart_interval_must_climb_above_t_min():
-    """A t_max that rounds to the restart's starting sigma (no interval to restart in) names sampler.t_max."""
+    """A t_max that rounds to the restart's starting sigma (no interval to restart in) is refused, naming t_max."""
     betas = make_betas("linear", T)
-    model = GuidedModel(net=toy_net("eps", betas), betas=betas)
-    with pytest.raises(ValueError, match=r"sampler\.t_max"):
-        RestartSampler(steps=9, t_min=0.06, t_max=0.0925).sample(model, start(), None)
+    d = denoiser(toy_net("eps", betas), betas)
+    refusal = r"^t_max=0\.0925 rounds to a sigma not above the restart start 0\.09227 .*; raise t_max$"
+    with pytest.raises(ValueError, match=refusal):
+        RestartSampler(steps=9, t_min=0.06, t_max=0.0925).sample(d, start(), d.sigmas, None)
 
 
 @pytest.mark.parametrize(
@@ -406,10 +417,16 @@ def test_logsnr_and_karras_grids_are_their_closed_forms_rounded(schedule, steps)
 
 
 def test_schedule_spacings_need_the_schedule_and_are_refused_for_ddim():
-    with pytest.raises(ValueError, match="follows the schedule"):
+    """logsnr and karras follow alpha_bar, which timesteps(T) alone does not have; DDIM refuses them (in its own
+    words, and naming the key when built from a config)."""
+    with pytest.raises(ValueError, match=r"^spacing=logsnr follows the schedule: pass the model's alpha_bar"):
         DPMSolverSampler(steps=10, spacing="logsnr").timesteps(T)
-    with pytest.raises(ValueError, match=r"sampler.spacing=karras is for sampler=dpm_solver"):
+    refusal = "spacing=karras is for sampler=dpm_solver / dpm_solver_sde; use trailing here"
+    with pytest.raises(ValueError, match="^" + re.escape(refusal)):
         DDIMSampler(steps=10, spacing="karras")
+    cfg = OmegaConf.create({"sampler": {"_target_": "ddpm.diffusion.samplers.ddim.DDIMSampler", "spacing": "karras"}})
+    with pytest.raises(ValueError, match="^" + re.escape(f"sampler.{refusal}")):
+        build(cfg.sampler)
 
 
 @pytest.mark.parametrize("cls", [DPMSolverSampler, DPMSolverSDESampler])
@@ -422,7 +439,7 @@ def test_logsnr_spacing_removes_the_trailing_grids_blur_on_the_gaussian_data(cls
     for spacing in ("trailing", "logsnr"):
         generator = torch.Generator().manual_seed(5)
         x_T = torch.randn((4096, 1, 4, 4), generator=generator)
-        model = GuidedModel(net=gaussian_net(betas, []), betas=betas)
-        out = cls(steps=25, spacing=spacing, clip_denoised=False).sample(model, x_T, None, generator=generator)
+        d = denoiser(gaussian_net(betas, []), betas)
+        out = cls(steps=25, spacing=spacing, clip_denoised=False).sample(d, x_T, d.sigmas, None, generator=generator)
         stds[spacing] = out.double().std().item() / S
     assert abs(stds["logsnr"] - 1) < 0.03 and stds["trailing"] < 0.85, stds

@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CONF, PYTHON, REPO, TINY_RUN, compose, env, sample, train
+from helpers import CONF, PYTHON, REPO, TINY_RUN, compose, denoiser, env, sample, train
 from omegaconf import OmegaConf
 
+from ddpm.atomic import WriteError, atomic_save
 from ddpm.config import UnknownKeyError, validate_config
 from ddpm.diffusion.generate import NonFiniteSamplesError, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.schedule import linear_betas
 from ddpm.weights import CheckpointError, load_model
-from ddpm.weights.atomic import WriteError, atomic_save
 from ddpm.weights.lightning_io import AtomicCheckpointIO
 from ddpm.weights.model import CHECKPOINT_KEY
 from ddpm.weights.safetensors_file import save_ema_safetensors
@@ -45,7 +45,11 @@ def test_train_py_refuses_plus_lr_naming_optim_lr(tmp_path: Path) -> None:
     ("override", "named", "closest"),
     [
         ("+lr=3e-4", "lr", "optim.lr"),
-        ("+optim.learning_rate=3e-4", "optim.learning_rate", "optim.lr"),  # a synonym from other trainers
+        (
+            "+optim.learning_rate=3e-4",
+            "optim.learning_rate",
+            " lr, ",
+        ),  # a synonym: no close spelling, optim's keys listed
         ("+data.batchsize=32", "data.batchsize", "data.batch_size"),  # a typo inside a _target_ node
         ("+seeed=1", "seeed", "seed"),  # a typo of a top-level key
         ("+trainer.max_step=10", "trainer.max_step", "trainer.max_steps"),  # Lightning's own arguments
@@ -142,7 +146,7 @@ def test_torch_zip_writer_failure_is_one_clear_error(tmp_path: Path) -> None:
     atomic_save({"w": torch.zeros(10)}, target)
     before = target.read_bytes()
     script = (
-        "import resource, torch, sys; from ddpm.weights.atomic import atomic_save;"
+        "import resource, torch, sys; from ddpm.atomic import atomic_save;"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000));"
         f"atomic_save({{'w': torch.zeros(1_000_000)}}, {str(target)!r})"
     )
@@ -234,8 +238,7 @@ def test_a_sampler_that_produces_nan_stops_instead_of_writing_black_images() -> 
         return torch.full_like(x, float("nan") if len(calls) >= 3 else 0.1)
 
     with pytest.raises(NonFiniteSamplesError, match=r"NaN/inf images \(batch of samples 0\.\.3\).*not finite"):
-        generate(net=net, betas=linear_betas(1000), prediction="eps", sampler=DDIMSampler(steps=4),
-                 image_shape=(1, 4, 4), num_samples=4, batch_size=4)  # fmt: skip
+        generate(denoiser(net, linear_betas(1000)), DDIMSampler(steps=4), (4, 1, 4, 4), batch_size=4)
 
 
 def test_write_error_is_an_oserror_for_callers_that_catch_those() -> None:

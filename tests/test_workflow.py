@@ -156,7 +156,7 @@ def test_summary_sorts_best_first_and_tolerates_failures(tmp_path: Path) -> None
     rows = collect(tmp_path, "val/loss")
     assert [r["job"] for r in rows] == ["1", "0", "2"] and rows[0]["optim.lr"] == "1e-4"
     assert [r["job"] for r in collect(tmp_path, "val/loss", maximize=True)] == ["0", "1", "2"]
-    assert format_table(rows).splitlines()[0].split() == ["job", "optim.lr", "val/loss", "status"]
+    assert format_table(rows).splitlines()[0].split() == ["job", "optim.lr", "val/loss", "status", "error"]
 
 
 def test_eta_and_lr_find_debiasing() -> None:

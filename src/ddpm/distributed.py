@@ -15,7 +15,6 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -71,9 +70,3 @@ def join_message(error: str, *, world_size: int, num_nodes: int, seconds: float)
         "reachable on MASTER_PORT from the others (firewall, the node's address), or raise dist_timeout_s if the "
         f"nodes start far apart. Torch said: {error.strip().splitlines()[0][:300]}"
     )
-
-
-def world_of(trainer: pl.Trainer, batch_size: Any, lr_of: Any) -> dict[str, Any]:
-    """{world_size, global_batch, lr} of this run: the data.batch_size per process x processes x accumulation."""
-    global_batch = int(batch_size) * trainer.world_size * trainer.accumulate_grad_batches
-    return {"world_size": trainer.world_size, "global_batch": global_batch, "lr": float(lr_of(global_batch))}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ddpm.config import build
 from ddpm.precision import resolve_precision
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -91,7 +92,6 @@ def report(sizes: dict[str, int], *, count: int, batch_size: int) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train.py overrides: model=..., data.batch_size=...")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
-    net, diffusion = instantiate(cfg.model), instantiate(cfg.diffusion).to(args.device)
+    net, diffusion = build(cfg.model), build(cfg.diffusion).to(args.device)
     batch_size = int(cfg.data.batch_size)
     precision = resolve_precision(cfg.trainer.precision, "cuda" if args.device.startswith("cuda") else "cpu")
 

@@ -8,7 +8,7 @@ second graph (eval mode, no gradients, other batch sizes) would cost another col
 CUDA-graph mode (`reduce-overhead`, `max-autotune`) each step marks a new CUDA-graph iteration.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +21,7 @@ from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
-from ddpm.precision import CompileMode, compile_mode, uses_cudagraphs
+from ddpm.precision import CompileMode, compile_mode, resolve_compile, uses_cudagraphs
 
 Batch = tuple[Tensor, Tensor]  # images (B, C, H, W) float in [-1, 1], labels (B,) int64
 
@@ -35,7 +35,7 @@ class DiffusionModule(pl.LightningModule):
         net: UNet,  # the denoising network
         diffusion: GaussianDiffusion | EDMDiffusion,  # schedule and objective (DDPM family or EDM)
         optim: AdamW,  # optimizer and LR schedule settings
-        compile: bool | CompileMode = False,  # torch.compile the training loss: false, true (= default) or a mode
+        compile: bool | CompileMode | Literal["auto"] = False,  # torch.compile the loss: false, true, auto or a mode
         compile_backend: str = "inductor",  # torch.compile backend (tests use "eager" / "aot_eager")
         channels_last: bool = False,  # NHWC weights and inputs (faster convolutions on tensor cores)
         val_timesteps: int = 10,  # size of the fixed timestep grid of val/loss
@@ -46,7 +46,7 @@ class DiffusionModule(pl.LightningModule):
         if val_timesteps < 1:
             raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
         self.net, self.diffusion, self.optim = net, diffusion, optim
-        self.compile_mode, self.val_seed = compile_mode(compile), val_seed  # None: eager
+        self.compile_mode, self.val_seed = compile_mode(resolve_compile(compile)), val_seed  # None: eager
         self.compile_backend, self.channels_last = compile_backend, channels_last
         grid = torch.linspace(0, diffusion.num_timesteps - 1, val_timesteps).round().long()
         self.register_buffer("val_grid", grid, persistent=False)  # (K,) timesteps of val/loss
@@ -120,7 +120,7 @@ class DiffusionModule(pl.LightningModule):
 
     def _checked_batch(self, batch: Batch, split: str) -> Batch:
         if not self._checked[split]:
-            check_batch(batch, self.net)
+            check_batch(batch, self.net, latent=bool(self.hparams.get("config", {}).get("latent")))
             self._checked[split] = True
         if self.channels_last:
             return batch[0].contiguous(memory_format=torch.channels_last), batch[1]
@@ -164,10 +164,15 @@ class DiffusionModule(pl.LightningModule):
                 logger.experiment.add_text("config", f"```yaml\n{text}```", global_step=self.global_step)
 
     def setup(self, stage: str) -> None:
-        """The datamodule's whole label set against model.num_classes, before the first step (RAM data)."""
-        check = getattr(self.trainer.datamodule, "check_labels", None) if self._trainer is not None else None
-        if stage == "fit" and check is not None:
-            check(self.net.num_classes)
+        """Before the first step: the datamodule's whole label set against model.num_classes (RAM data), and a
+        latent data set's shape against model.in_channels and model.image_size (data=latents)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if stage != "fit" or datamodule is None:
+            return
+        if (check_labels := getattr(datamodule, "check_labels", None)) is not None:
+            check_labels(self.net.num_classes)
+        if (check_model := getattr(datamodule, "check_model", None)) is not None:
+            check_model(self.net.in_channels, self.net.image_size)
 
     def on_train_end(self) -> None:
         self.check_labels_seen()
@@ -211,8 +216,9 @@ class DiffusionModule(pl.LightningModule):
             self.trainer.train_dataloader.resume_shift = 0
 
 
-def check_batch(batch: Batch, net: UNet) -> None:
-    """Reject a batch the model cannot learn from, naming the config value to change."""
+def check_batch(batch: Batch, net: UNet, *, latent: bool = False) -> None:
+    """Reject a batch the model cannot learn from, naming the config value to change. Latents (data=latents) have
+    their own range: only their shape and finiteness are checked (their shape also at setup, against the VAE's)."""
     x0, y = batch
     if x0.ndim != 4 or x0.shape[1] != net.in_channels:
         raise ValueError(
@@ -225,7 +231,9 @@ def check_batch(batch: Batch, net: UNet) -> None:
             "set data.image_size and model.image_size to the same value"
         )
     low, high = torch.aminmax(x0.float())
-    if low < -1.001 or high > 1.001 or not torch.isfinite(low + high):
+    if latent and not torch.isfinite(low + high):
+        raise ValueError("a batch of latents holds NaN/inf: the encoded latents are damaged; encode the data again")
+    if not latent and (low < -1.001 or high > 1.001 or not torch.isfinite(low + high)):
         raise ValueError(
             f"a batch after scaling spans [{low.item():.3g}, {high.item():.3g}], not [-1, 1]; the datamodule must "
             "yield uint8 images in [0, 255] (scaled on the device as x / 127.5 - 1)"

@@ -37,21 +37,21 @@ class AdamW:
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"optim.lr={self.lr} must be a positive finite number (2e-4 is the usual value)")
+            raise ValueError(f"lr={self.lr} must be a positive finite number (2e-4 is the usual value)")
         if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+            raise ValueError(f"betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.weight_decay < 0 or self.eps <= 0:
-            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0 and optim.eps={self.eps} > 0")
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0 and eps={self.eps} > 0")
         if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0 (0 turns warm-up off)")
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 (0 turns warm-up off)")
         if self.scaling not in SCALING:
-            raise ValueError(f"optim.scaling={self.scaling!r} is unknown; use one of {sorted(SCALING)}")
+            raise ValueError(f"scaling={self.scaling!r} is unknown; use one of {sorted(SCALING)}")
         if self.base_batch_size < 1:
-            raise ValueError(f"optim.base_batch_size={self.base_batch_size} must be >= 1")
+            raise ValueError(f"base_batch_size={self.base_batch_size} must be >= 1")
         if self.decay not in ("none", "cosine", "linear"):
-            raise ValueError(f"optim.decay={self.decay!r} is unknown; use none, cosine or linear")
+            raise ValueError(f"decay={self.decay!r} is unknown; use none, cosine or linear")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
     def scaled_lr(self, global_batch_size: int) -> float:
         """lr * (global / base) ** p, p = 0 (none), 1 (linear, Goyal et al. 2017) or 1/2 (sqrt)."""
@@ -68,8 +68,8 @@ class AdamW:
             return factor
         if total_steps is None or total_steps <= 0:
             raise ValueError(
-                f"optim.decay={self.decay} decays the LR to the last step, so it needs trainer.max_steps (now "
-                f"{total_steps}); set trainer.max_steps, or optim.decay=none"
+                f"decay={self.decay} decays the LR to the last step, so it needs the run's length, total_steps "
+                f"(now {total_steps}: the Trainer's max_steps); give it, or decay=none"
             )
         progress = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps)))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1 - progress

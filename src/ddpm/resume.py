@@ -113,7 +113,7 @@ def check_resume(
 ) -> dict[str, tuple[Any, Any]]:
     """Load `path` safely, refuse config changes that break the run, record the others in resume_diff.yaml."""
     checkpoint = load_training_checkpoint(path) if checkpoint is None else checkpoint
-    diff = config_diff(run_config(checkpoint), config)
+    diff = config_diff(run_config(checkpoint, needs=("model",)), config)
     breaking = {k: v for k, v in diff.items() if is_breaking(k)}
     if breaking:
         lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in breaking.items())
@@ -140,7 +140,7 @@ def checkpoint_world(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     older checkpoints, from its config and its LR schedule; unknown values are None)."""
     world = dict(checkpoint.get(WORLD_KEY) or {})
     if not world:
-        config = run_config(checkpoint)
+        config = run_config(checkpoint, needs=("model",))
         trainer, data = config.get("trainer") or {}, config.get("data") or {}
         sizes = [trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("accumulate_grad_batches", 1)]
         if all(isinstance(n, int) and n > 0 for n in sizes):
@@ -167,3 +167,9 @@ def record_world(output_dir: Path, before: Mapping[str, Any], now: Mapping[str, 
             "(optim.scaling applied to the new global batch; recorded in resume_diff.yaml)"
         )
     return changed
+
+
+def world_of(trainer: Any, batch_size: Any, lr_of: Any) -> dict[str, Any]:
+    """{world_size, global_batch, lr} of this run: the data.batch_size per process x processes x accumulation."""
+    global_batch = int(batch_size) * trainer.world_size * trainer.accumulate_grad_batches
+    return {"world_size": trainer.world_size, "global_batch": global_batch, "lr": float(lr_of(global_batch))}

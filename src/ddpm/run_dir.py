@@ -16,7 +16,6 @@ Optuna study's own folder, which the same command continues (`continues_study`).
 Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed.
 """
 
-import os
 import shutil
 import sys
 import time
@@ -26,21 +25,17 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from ddpm.ranks import first_process
+
 RUN_FILES = ("config.yaml", "resume_diff.yaml", "result.json", "ema.pt", "ema.safetensors", "checkpoints", "samples",
              "csv", "tensorboard", "wandb", "lr_find.*", "hpc_ckpt_*.ckpt")  # fmt: skip
 SWEEP_FILES = ("summary.csv", "*/" + "result.json", *(f"*/{name}" for name in RUN_FILES))  # job folders inside
 CHECKPOINT_FILES = ("*.ckpt",)  # a checkpoint folder outside the run folder
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")  # torchrun, Lightning, SLURM
 
 
 class RunFolderTaken(FileExistsError):
     """The run folder holds another run's results, and this run neither resumes it nor may replace it."""
-
-
-def first_process() -> bool:
-    """True unless a launcher (torchrun, Lightning's DDP children, srun) says this is not the first process."""
-    return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
 
 
 def held(folder: Path, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:

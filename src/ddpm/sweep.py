@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, open_dict
 
-from ddpm.weights.atomic import atomic_write_text
+from ddpm.atomic import atomic_write_text
 
 RESULT_FILE = "result.json"
 SUMMARY_FILE = "summary.csv"

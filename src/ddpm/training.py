@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -18,12 +18,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.rng import RNGState
-from ddpm.config import validate_config
-from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, world_of
+from ddpm.config import build, validate_config
+from ddpm.config.entries import TrainKeys
+from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
 from ddpm.memory import explain_oom
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
-from ddpm.resume import check_resume, checkpoint_world, load_training_checkpoint, record_world, resolve_ckpt_path
-from ddpm.run_dir import claim_run, first_process
+from ddpm.ranks import first_process
+from ddpm.resume import (
+    check_resume,
+    checkpoint_world,
+    load_training_checkpoint,
+    record_world,
+    resolve_ckpt_path,
+    world_of,
+)
+from ddpm.run_dir import claim_run
 from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import check_objective, finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
@@ -32,6 +41,8 @@ from ddpm.weights.lightning_io import AtomicCheckpointIO
 from ddpm.weights.safetensors_file import save_ema_safetensors
 from ddpm.weights.torch_file import export_ema
 
+LATENT_DATA = "ddpm.data.latents.LatentDataModule"  # data=latents: a run on a VAE's latents
+
 
 class NoTrainingStep(RuntimeError):
     """fit() ended without a single optimizer step although the config asked for training."""
@@ -39,9 +50,9 @@ class NoTrainingStep(RuntimeError):
 
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
-    ema = instantiate(cfg.ema)
+    ema = build(cfg.ema)
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    others = [instantiate(node, **reuse_names(node)) for node in nodes]
+    others = [build(node, **reuse_names(node)) for node in nodes]
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
@@ -80,7 +91,7 @@ def keep_metrics_history(loggers: list[Any] | bool) -> None:
 
 
 def build_loggers(cfg: DictConfig) -> list[Any] | bool:
-    loggers = [instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
+    loggers = [build(node) for node in (cfg.get("logger") or {}).values() if node is not None]
     return loggers or False
 
 
@@ -116,8 +127,8 @@ def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_callback_guidance(resolved: dict[str, Any]) -> None:
-    """The sample grid's and FID callback's guidance weights, refused before any data is read (the callbacks
-    check them again at setup, for use without train())."""
+    """The sample grid's and FID callback's guidance weights, refused before any data is read: the one check of
+    a callback's guidance (ddpm.diffusion.denoiser.Guided refuses what no model could take, without a key)."""
     model, diffusion = resolved.get("model") or {}, resolved.get("diffusion") or {}
     for name, node in (resolved.get("callbacks") or {}).items():
         if isinstance(node, dict) and node.get("guidance"):
@@ -125,24 +136,35 @@ def check_callback_guidance(resolved: dict[str, Any]) -> None:
                            key=f"callbacks.{name}.guidance")  # fmt: skip
 
 
+def with_latent(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The run config with its `latent` record when it trains on latents (ddpm.data.latents.latent_record: the VAE
+    and the scaling sample.py, the grids and FID decode with), read from the encoded folder's meta.json."""
+    if (resolved.get("data") or {}).get("_target_") != LATENT_DATA:
+        return resolved
+    from ddpm.data.latents import latent_record
+
+    return resolved | {"latent": latent_record(resolved["data"])}
+
+
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null
-    resolved = resolve_config(cfg)  # fail fast, before the LR range test too
+    resolved = with_latent(resolve_config(cfg))  # fail fast, before the LR range test too
+    keys = TrainKeys.of(resolved)  # the entry point's own keys, typed (ddpm.config.entries)
     check_objective(resolved)  # a metric the run logs, before any step (objective_value checks again after fit)
     output_dir = Path(cfg.paths.output_dir)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), resume_dir=cfg.get("resume_dir"), output_dir=output_dir)
+    ckpt_path = resolve_ckpt_path(keys.ckpt_path, resume_dir=keys.resume_dir, output_dir=output_dir)
     ckpt_path = ckpt_path or hpc_checkpoint(output_dir)  # a requeued SLURM job resumes in place
-    claim_run(output_dir, ckpt_path=ckpt_path, overwrite=bool(cfg.get("overwrite")),
+    claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
-    if cfg.get("tune") is not None:
+    if keys.tune is not None:
         if not run_tuning(cfg):
             return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
-        resolved = resolve_config(cfg)  # again: tune.apply set optim.lr
-    if cfg.get("seed") is not None:
-        pl.seed_everything(cfg.seed, workers=True)
+        resolved = with_latent(resolve_config(cfg))  # again: tune.apply set optim.lr
+    if keys.seed is not None:
+        pl.seed_everything(keys.seed, workers=True)
     if str(cfg.get("compile")).lower() == "auto" and first_process():
-        print(compile_note(resolved["compile"], OmegaConf.select(cfg, "trainer.accelerator")))
+        print(compile_note(keys.compile, OmegaConf.select(cfg, "trainer.accelerator")))
     precision = resolved.get("trainer", {}).get("precision")
     start_step, before = 0, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder
@@ -151,25 +173,26 @@ def train(cfg: DictConfig) -> float | None:
         check_resume(ckpt_path, resolved, output_dir, checkpoint=checkpoint, write=first_process())  # breaking changes
         start_step, before = int(checkpoint["global_step"]), checkpoint_world(checkpoint)
         del checkpoint
-    net = instantiate(cfg.model)
-    if cfg.get("init_from") and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
-        load_init(cfg.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
+    net = build(cfg.model)
+    if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
+        load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
         if first_process():
-            print(f"init_from: the weights of {cfg.init_from} (a fresh optimizer and schedule)")
+            print(f"init_from: the weights of {keys.init_from} (a fresh optimizer and schedule)")
     output_dir.mkdir(parents=True, exist_ok=True)
     if first_process():
         OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
 
-    datamodule = instantiate(cfg.data)
-    diffusion, optim = instantiate(cfg.diffusion), instantiate(cfg.optim)
+    datamodule = build(cfg.data)
+    optim = build(cfg.optim)
+    parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
     # A partial, called with module.compile as decided (auto resolved above)
-    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config=resolved,
+    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=resolved,
                                                      compile=resolved["module"]["compile"])  # fmt: skip
     ema, callbacks = build_callbacks(cfg)
     configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
     loggers = build_loggers(cfg)
-    trainer: pl.Trainer = instantiate(
+    trainer: pl.Trainer = build(
         cfg.trainer,
         precision=precision,
         callbacks=[*callbacks, RestoreCollectiveTimeout()],  # after the ranks joined (dist_timeout_s)
@@ -177,7 +200,7 @@ def train(cfg: DictConfig) -> float | None:
         default_root_dir=str(output_dir),
         plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
     )
-    timeout = cfg.get("dist_timeout_s", 600)
+    timeout = keys.dist_timeout_s
     bound_join(trainer, timeout)
     if first_process():
         keep_metrics_history(loggers)
@@ -189,11 +212,13 @@ def train(cfg: DictConfig) -> float | None:
     finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
     check_trained(trainer, start_step)  # before anything is exported
 
-    if trainer.is_global_zero and ema.shadow is not None:
+    if trainer.is_global_zero and ema.shadow is not None and hasattr(module, "write_exports"):
+        module.write_exports(output_dir, ema)  # a module with its own exports (ddpm.vae_module: <run>/vae/)
+    elif trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
         safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # the same, unpickle-free
         print(f"EMA weights: {path} (and {safe.name})")
-    return objective_value(trainer, cfg.get("objective") or "val/loss")
+    return objective_value(trainer, keys.objective)
 
 
 def check_steps_left(ckpt_path: Path, step: int, max_steps: int) -> None:

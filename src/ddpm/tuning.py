@@ -23,13 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
 from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
+from ddpm.atomic import atomic_write, atomic_write_text
+from ddpm.config import build
 from ddpm.precision import resolve_precision
-from ddpm.weights.atomic import atomic_write, atomic_write_text
 
 
 class LRRangeWarning(UserWarning):
@@ -141,11 +141,11 @@ def save_plot(result: LRFindResult, path: Path) -> Path:
 
 def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
     """Run cfg.tune.lr_find on the configured model and data; write the plot; return the suggested optim.lr."""
-    test: LRRangeTest = instantiate(cfg.tune.lr_find)
-    datamodule = instantiate(cfg.data)
-    net, diffusion, optim = instantiate(cfg.model), instantiate(cfg.diffusion), instantiate(cfg.optim)
-    module = instantiate(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
-    trainer: pl.Trainer = instantiate(
+    test: LRRangeTest = build(cfg.tune.lr_find)
+    datamodule = build(cfg.data)
+    net, diffusion, optim = build(cfg.model), build(cfg.diffusion), build(cfg.optim)
+    module = build(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+    trainer: pl.Trainer = build(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")),
         callbacks=[],

@@ -12,12 +12,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ddpm.callbacks.sample_grid import sample_with_ema
-from ddpm.diffusion.generate import Sampler, class_cycle
-from ddpm.diffusion.samplers.base import PRECISIONS
+from ddpm.diffusion.generate import class_cycle
+from ddpm.diffusion.network import SamplingPrecision
+from ddpm.diffusion.samplers.base import Sampler
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
-from ddpm.sampling.runtime import check_guidance
 from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
 
 
@@ -37,7 +37,7 @@ class FID(Callback):
         seed: int = 0,  # same noise every evaluation, so values are comparable across steps
         batch_size: int = 250,  # images per sampling (and feature) batch on each rank
         cache_dir: str = DEFAULT_CACHE_DIR,  # where the training-set statistics are cached
-        precision: str | int = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
+        precision: SamplingPrecision = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
     ) -> None:
         if every_n_steps < 1 or num_samples < 2:
             raise ValueError(
@@ -50,18 +50,10 @@ class FID(Callback):
         self.metrics, self.features, self.guidance, self.seed = tuple(metrics), features, guidance, seed
         self.batch_size, self.cache_dir = batch_size, cache_dir
         self.guidance_interval = guidance_interval_of(guidance_interval, key="callbacks.fid.guidance_interval")
-        if str(precision) not in ("auto", *PRECISIONS):
-            raise ValueError(f"callbacks.fid.precision={precision!r} must be auto, 32 or bf16")
         self.precision = precision
         self.extractor: FeatureExtractor | None = None
         self.reference: FeatureStats | None = None
         self.last_step = -1
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a guidance weight the model cannot honour when fitting starts, before any training step."""
-        if stage == "fit":
-            check_guidance(self.guidance, num_classes=pl_module.net.num_classes,
-                           p_uncond=pl_module.diffusion.p_uncond, key="callbacks.fid.guidance")  # fmt: skip
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
@@ -100,7 +92,7 @@ class FID(Callback):
             seed=self.seed,
             batch_size=self.batch_size,
             precision=self.precision,
-            generate_fn=generate_shard,
+            draw=generate_shard,
         )
         features, logits = sharded_features(self.extractor, mine.images, self.batch_size)
         return compute_metrics(

@@ -10,14 +10,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
-from torchvision.utils import make_grid, save_image
 
 from ddpm.callbacks.ema import EMA
-from ddpm.diffusion.generate import Generated, Sampler, class_cycle, generate
-from ddpm.diffusion.samplers.base import PRECISIONS
-from ddpm.sampling.runtime import check_guidance, resolve_sampling_precision
+from ddpm.diffusion.generate import Generated, class_cycle, denoiser_for, generate
+from ddpm.diffusion.network import SamplingPrecision
+from ddpm.diffusion.samplers.base import Sampler, decoded
+from ddpm.sampling.outputs import write_grid
 from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
-from ddpm.weights.atomic import atomic_write
+from ddpm.sampling.runtime import load_decoder, resolve_sampling_precision
 
 
 def find_ema(trainer: pl.Trainer) -> EMA | None:
@@ -36,13 +36,14 @@ def sample_with_ema(
     guidance_interval: tuple[float, float] | None = None,
     batch_size: int = 256,
     precision: str | int = "32",
-    generate_fn: Callable[..., Generated] = generate,
+    draw: Callable[..., Generated] = generate,
 ) -> Generated:
-    """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode.
+    """Sample from the EMA weights (the live weights if there is no EMA callback), in eval mode, with the network
+    called eagerly (a compiled training step compiles the loss function, not the network).
 
-    `generate_fn` takes `generate`'s keywords: `generate` (all images here), or
-    `ddpm.metrics.evaluate.generate_shard` (this DDP rank's share). precision: auto, 32 or bf16, the
-    network's only (generate's `precision`). guidance_interval: generate's (sigma_lo, sigma_hi], or None."""
+    `draw` takes `generate`'s arguments: `generate` (all images here), or `ddpm.metrics.evaluate.generate_shard`
+    (this DDP rank's share). precision: auto, 32 or bf16, the network's only (ddpm.diffusion.network).
+    guidance_interval: (sigma_lo, sigma_hi], or None."""
     net, diffusion = pl_module.net, pl_module.diffusion
     labels = class_cycle(num_samples, net.num_classes) if net.num_classes is not None else None
     ema = find_ema(trainer)
@@ -50,23 +51,14 @@ def sample_with_ema(
     net.eval()
     try:
         with ema.averaged(net) if ema is not None else nullcontext():
-            return generate_fn(
-                net=net,
-                betas=diffusion.betas64(),
-                prediction=diffusion.prediction,
-                sigma_data=diffusion.sigma_data,
-                sampler=sampler,
-                image_shape=(net.in_channels, net.image_size, net.image_size),
-                num_samples=num_samples,
-                labels=labels,
-                null_class=net.num_classes,
-                guidance=guidance if labels is not None else 0.0,
-                guidance_interval=guidance_interval,
-                seed=seed,
-                batch_size=batch_size,
-                device=pl_module.device,
-                precision=resolve_sampling_precision(precision, pl_module.device),
-            )
+            denoiser = denoiser_for(net, diffusion, guidance=guidance if labels is not None else 0.0,
+                                    interval=guidance_interval,
+                                    precision=resolve_sampling_precision(precision, pl_module.device))  # fmt: skip
+            shape = (num_samples, net.in_channels, net.image_size, net.image_size)
+            vae = load_decoder((pl_module.hparams.get("config") or {}).get("latent"), pl_module.device)
+            sampler = decoded(sampler, vae.decode if vae else None)  # a latent model's images are decoded
+            return draw(denoiser, sampler, shape, labels=labels, seed=seed, batch_size=batch_size,
+                        device=pl_module.device)  # fmt: skip
     finally:
         net.train(was_training)
 
@@ -84,7 +76,7 @@ class SampleGrid(Callback):
         guidance_interval: tuple[float, float] | None = None,  # [sigma_lo, sigma_hi]: guide only there; None: always
         seed: int = 0,  # same seed every time, so grids are comparable across steps
         at_end: bool = True,  # also save a grid when training ends
-        precision: str | int = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
+        precision: SamplingPrecision = "auto",  # the network's: auto (bf16 on CUDA, AMX CPUs), 32 or bf16; x_t float32
     ) -> None:
         if every_n_steps < 0 or num_samples < 1:
             raise ValueError(
@@ -93,21 +85,8 @@ class SampleGrid(Callback):
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.guidance, self.seed, self.at_end = guidance, seed, at_end
         self.guidance_interval = guidance_interval_of(guidance_interval, key="callbacks.sample_grid.guidance_interval")
-        if str(precision) not in ("auto", *PRECISIONS):
-            raise ValueError(f"callbacks.sample_grid.precision={precision!r} must be auto, 32 or bf16")
         self.precision = precision
         self.last_step = -1
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a guidance weight the model cannot honour when fitting starts, before any training step."""
-        if stage != "fit":
-            return
-        check_guidance(
-            self.guidance,
-            num_classes=pl_module.net.num_classes,
-            p_uncond=pl_module.diffusion.p_uncond,
-            key="callbacks.sample_grid.guidance",
-        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -133,11 +112,10 @@ class SampleGrid(Callback):
             precision=self.precision,
         )
         nrow = pl_module.net.num_classes or int(self.num_samples**0.5)
-        grid = make_grid(out.images.float() / 255.0, nrow=nrow, padding=2, pad_value=1.0)
         path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
-        atomic_write(path, lambda f: save_image(grid, f, format="png"))
+        grid = write_grid(out.images, path, nrow=nrow)  # sample.py's grid writer: grey or RGB as the model
         caption = "labels: " + " ".join(map(str, out.labels.tolist())) if out.labels is not None else "unconditional"
-        log_grid(trainer, grid, caption)
+        log_grid(trainer, grid.expand(3, -1, -1).float() / 255, caption)  # the loggers get RGB floats in [0, 1]
         return path
 
 

@@ -5,8 +5,9 @@
   field per keyword argument, its type hint read through `types.lenient`. Keys that are not arguments are
   refused, except where the constructor takes `**kwargs`: its keys are free-form (e.g. logger.wandb, whose
   extra keys go to `wandb.init`).
-- An entry point's own keys (`TRAIN_KEYS`, conf/train.yaml; `SAMPLE_KEYS`, conf/sample.yaml), written here.
-  Under `callbacks` and `logger` the names are free-form (each entry is a `_target_` node or null).
+- An entry point's own keys: the fields of ddpm.config.entries.TrainKeys (conf/train.yaml) and SampleKeys
+  (conf/sample.yaml), the typed views the entry points read. Under `callbacks` and `logger` the names are free-form
+  (each entry is a `_target_` node or null).
 
 Nothing is skipped silently: a target that cannot be imported, a hint that does not resolve and a hint pydantic
 cannot check are listed in `TargetSchema.unchecked`; the validator raises them in tests and warns about them
@@ -22,8 +23,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, TypeAdapter
 from typing_extensions import TypedDict
 
+from ddpm.config.entries import ENTRIES
 from ddpm.config.types import lenient
-from ddpm.precision import CompileMode
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})  # instantiate's own
 STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
@@ -91,70 +92,20 @@ def _unbuildable(hint: Any) -> str | None:
         return f"{hint!r} cannot be checked ({str(error)[:120]})"
 
 
-Node = dict[str, Any] | None  # a `_target_` node (validated on its own) or null
-Precision = Literal["auto", "32", "bf16", 32]
-
-TRAIN_KEYS: dict[str, Any] = {  # conf/train.yaml's own keys; each group is a `_target_` node
-    "seed": int | None,
-    "compile": bool | CompileMode,  # after `auto` is resolved
-    "ckpt_path": str | None,
-    "objective": str,
-    "resume_dir": str | None,
-    "slurm_requeue": bool,
-    "overwrite": bool,
-    "init_from": str | None,
-    "dist_timeout_s": float,
-    "paths": TypedDict("Paths", {"output_dir": str}, total=False),
-    "tune": TypedDict("Tune", {"lr_find": Node, "apply": bool}, total=False) | None,
-    "callbacks": dict[str, Node] | None,  # free-form names
-    "logger": dict[str, Node] | None,  # free-form names
-    **dict.fromkeys(("model", "diffusion", "data", "optim", "trainer", "module", "ema"), Node),
-    "hydra": Any,  # Hydra checks its own
-}
-
-SAMPLE_KEYS: dict[str, Any] = {  # conf/sample.yaml's own keys
-    "ckpt": str | None,
-    "num_samples": int,
-    "batch_size": int | Literal["auto"] | None,
-    "labels": int | list[int] | None,
-    "guidance": float,
-    "guidance_interval": tuple[float, float] | None,
-    "seed": int,
-    "precision": Precision,
-    "channels_last": bool,
-    "compile": bool,
-    "device": str,
-    "output_dir": str,
-    "overwrite": bool,
-    "sampler": Node,
-    "metrics": TypedDict(
-        "Metrics",
-        {
-            "fid": bool,
-            "kid": bool,
-            "is": bool,
-            "features": str,
-            "cache_dir": str,
-            "data_root": str | None,
-            "batch_size": int,
-        },
-        total=False,
-    ),
-    "hydra": Any,
-}
-
-ENTRY_KEYS = {"train": TRAIN_KEYS, "sample": SAMPLE_KEYS}
+def entry_keys(entry: str) -> dict[str, Any]:
+    """An entry point's own keys and their types: the fields of ddpm.config.entries.TrainKeys / SampleKeys."""
+    return typing.get_type_hints(ENTRIES[entry], include_extras=True)
 
 
 @cache
 def entry_schema(entry: str) -> TypeAdapter:
     """The schema of an entry point's own keys (`train` or `sample`)."""
-    return _typed_dict(f"{entry}_config", {k: lenient(v) for k, v in ENTRY_KEYS[entry].items()}, extra="forbid")
+    return _typed_dict(f"{entry}_config", {k: lenient(v) for k, v in entry_keys(entry).items()}, extra="forbid")
 
 
 def entry_fields(entry: str, path: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Known keys of an entry point's own section at `path` (e.g. ("paths",) -> ("output_dir",))."""
-    hint: Any = ENTRY_KEYS[entry]
+    hint: Any = entry_keys(entry)
     for key in path:
         hint = _mapping_fields(hint).get(key)
     return tuple(_mapping_fields(hint))

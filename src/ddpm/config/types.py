@@ -47,6 +47,8 @@ def lenient(hint: Any) -> Any:
     if hint in (Path, os.PathLike) or hint == os.PathLike[str]:
         return _with(Path, _as_path)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:  # a constrained type (PositiveInt): its base read leniently, its constraints kept
+        return Annotated[(lenient(args[0]), *hint.__metadata__)]
     if origin in (Union, types.UnionType):
         return Union[tuple(lenient(a) for a in args)]  # noqa: UP007 (built from a tuple of hints)
     if origin is tuple:
@@ -69,8 +71,10 @@ def describe(hint: Any) -> str:
         return " | ".join(describe(a) for a in args)
     if origin is Literal:
         return f"Literal[{', '.join(map(repr, args))}]"
-    if origin is Annotated:
-        return describe(args[0])
+    if origin is Annotated:  # a constrained type: its base and its bounds (PositiveInt: int > 0)
+        ops = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+        bounds = [f"{op} {getattr(m, name)}" for m in hint.__metadata__ for name, op in ops if hasattr(m, name)]
+        return " ".join([describe(args[0]), *bounds])
     if origin is not None:
         inner = ", ".join("..." if a is Ellipsis else describe(a) for a in args)
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else getattr(origin, "__name__", "")

@@ -25,12 +25,16 @@ from typing import Any, Literal
 from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
-from ddpm.config.schema import ENTRY_KEYS, HYDRA_KEYS, entry_fields, entry_schema, target_schema
+from ddpm.config.schema import HYDRA_KEYS, entry_fields, entry_keys, entry_schema, target_schema
 from ddpm.config.types import describe
 
 Entry = Literal["train", "sample"]
 STRICT_ENV = "DDPM_STRICT_CONFIG"  # "1": a check that cannot run is an error (tests), not a warning
 REFERENCE = re.compile(r"\$\{(?!\w+:)([\w.]+)\}")  # ${data.root}; not resolvers like ${now:...}
+
+
+class ConfigValueError(TypeError, ValueError):
+    """A config value of the wrong type (`num_samples=abc`) or out of its range (`num_samples=0`)."""
 
 
 class UnknownKeyError(ValueError):
@@ -81,12 +85,12 @@ class _Report:
         self.known |= {k for k in entry_fields(entry) if k not in sections and k not in _GROUPS}
         self.known |= {f"{section}.{k}" for section, keys in sections.items() for k in keys}
         own = {k: v for k, v in config.items() if not _is_target(v)}
-        self._validate(entry_schema(entry), own, "", ENTRY_KEYS[entry], section_keys=sections)
+        self._validate(entry_schema(entry), own, "", entry_keys(entry), section_keys=sections)
         for path, node in _target_nodes(config):
             self._check_target(path, node)
 
     def _entry_sections(self, entry: Entry) -> dict[str, tuple[str, ...]]:
-        return {k: entry_fields(entry, (k,)) for k in ("paths", "tune", "metrics") if k in ENTRY_KEYS[entry]}
+        return {k: entry_fields(entry, (k,)) for k in ("paths", "tune", "metrics") if k in entry_keys(entry)}
 
     def _check_target(self, path: str, node: dict[str, Any]) -> None:
         nested = frozenset(k for k, v in node.items() if _is_target(v) or _holds_targets(v))
@@ -143,27 +147,30 @@ class _Report:
                 "a _target_ whose constructor takes **kwargs"
             )
         if self.types:
-            raise TypeError("config values of the wrong type:\n  " + "\n  ".join(self.types))
+            raise ConfigValueError("config values of the wrong type or out of range:\n  " + "\n  ".join(self.types))
 
     def _suggestion(self, key: str) -> str:
-        """The known key closest to `key`: in its own section first (the same name, a known synonym, or the most
-        similar name), then anywhere (lr -> optim.lr)."""
+        """The known key closest to `key`: in its own section first (the same name or a similar one, by difflib),
+        then anywhere (lr -> optim.lr); else the section's known keys."""
         section, _, leaf = key.rpartition(".")
-        leaf = ALIASES.get(leaf, leaf)
         own = sorted(k for k in self.known if k.rpartition(".")[0] == section)
-        names = _closest(leaf, own) or _closest(leaf, sorted(self.known))
-        return f"did you mean {names[0]}? (set it with {names[0]}=...)" if names else "no similar key exists"
+        names = _closest(leaf, own) or _closest(leaf, sorted(self.known), cutoff=1.2)
+        if names:
+            return f"did you mean {names[0]}? (set it with {names[0]}=...)"
+        listed = ", ".join(k.rpartition(".")[2] for k in own[:20]) if section and own else ""
+        return f"{section} has: {listed}" if listed else "no similar key exists"
 
 
-def _closest(leaf: str, keys: list[str]) -> list[str]:
-    """Keys whose last part is `leaf` (fewest dots first), else the one whose last part is most similar: difflib's
-    ratio plus the share of `_`-separated words in common (every_n_steps -> every_n_train_steps)."""
+def _closest(leaf: str, keys: list[str], cutoff: float = 0.8) -> list[str]:
+    """Keys whose last part is `leaf` (fewest dots first), else the one whose last part is most similar, if its
+    similarity reaches `cutoff` (0..2): difflib's ratio plus the share of `_`-separated words in common
+    (every_n_steps -> every_n_train_steps)."""
     same = sorted((k for k in keys if k.rsplit(".", 1)[-1] == leaf), key=lambda k: k.count("."))
     if same:
         return same
     scored = [(_similarity(leaf, k.rsplit(".", 1)[-1]), k) for k in keys]
     best = max(scored, default=(0.0, ""))
-    return [best[1]] if best[0] >= 0.8 else []
+    return [best[1]] if best[0] >= cutoff else []
 
 
 def _similarity(a: str, b: str) -> float:
@@ -171,18 +178,6 @@ def _similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio() + len(words_a & words_b) / len(words_a | words_b)
 
 
-ALIASES = {  # names users bring from other trainers -> ours
-    "learning_rate": "lr",
-    "batch": "batch_size",
-    "bs": "batch_size",
-    "steps": "max_steps",
-    "epochs": "max_epochs",
-    "ema_decay": "decay",
-    "timesteps": "num_timesteps",
-    "T": "num_timesteps",
-    "guidance_scale": "guidance",
-    "cfg_scale": "guidance",
-}
 _GROUPS = {"model", "diffusion", "data", "optim", "trainer", "module", "ema", "callbacks", "logger", "sampler", "hydra"}
 
 

@@ -204,27 +204,3 @@ def centre_crop(image, size: int) -> Tensor:
     array = np.asarray(image.crop((left, top, left + size, top + size)), dtype=np.uint8)
     array = array[:, :, None] if array.ndim == 2 else array
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
-
-
-def tile(images: Tensor, *, nrow: int, padding: int = 2, pad_value: int = 255) -> Tensor:
-    """(N, C, H, W) uint8 -> (C, rows * (H + padding) + padding, cols * (W + padding) + padding) uint8: the images
-    in rows of min(nrow, N) on a `pad_value` background, torchvision's make_grid layout without its float round trip
-    or its import (seconds of sample.py's start-up)."""
-    n, channels, height, width = images.shape
-    cols = min(nrow, n)
-    rows = -(-n // cols)
-    grid = images.new_full(
-        (channels, rows * (height + padding) + padding, cols * (width + padding) + padding), pad_value
-    )
-    for i, image in enumerate(images):
-        top, left = (height + padding) * (i // cols) + padding, (width + padding) * (i % cols) + padding
-        grid[:, top : top + height, left : left + width] = image
-    return grid
-
-
-def save_png(grid: Tensor, file) -> None:
-    """A (1 or 3, H, W) uint8 image as an 8-bit grey or RGB PNG to a path or binary file object."""
-    from PIL import Image
-
-    array = grid.permute(1, 2, 0).numpy()
-    Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array).save(file, format="png")

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ddpm.diffusion import precond
+from ddpm.diffusion.denoiser import Denoised, Levels, Net
 from ddpm.diffusion.gaussian import drop_labels, weighted_mse
 from ddpm.diffusion.samplers.edm import karras_sigmas
 from ddpm.diffusion.schedule import betas_from_alpha_bar
@@ -28,10 +29,29 @@ def edm_sigmas(num_timesteps: int, sigma_min: float, sigma_max: float, rho: floa
     return karras_sigmas(sigma_min, sigma_max, num_timesteps, rho).flip(0)
 
 
+class EDMDenoiser(Levels):
+    """An EDM network F with its preconditioning (Karras et al. 2022, table 1; ddpm.diffusion.precond): called on
+    c_in x_hat, its output turned into x0 = c_skip x_hat + c_out F; the coefficients in float64 (1 - alpha_bar near
+    sigma_min needs it)."""
+
+    def __init__(self, *, net: Net, sigmas: Tensor, sigma_data: float) -> None:
+        super().__init__(sigmas)
+        self.net, self.sigma_data = net, sigma_data
+
+    def output(self, x: Tensor, sigma: Tensor, y: Tensor | None) -> Tensor:
+        s = sigma.double().view(-1, 1, 1, 1)
+        return self.net(x * precond.vp_input_scale(s, self.sigma_data).to(x.dtype), self.level(sigma), y)
+
+    def denoised(self, x: Tensor, sigma: Tensor, output: Tensor) -> Denoised:
+        s = sigma.double().view(-1, 1, 1, 1)
+        eps, x0 = precond.eps_and_x0_from_f(output.to(s.dtype), x.to(s.dtype), s, self.sigma_data)
+        return Denoised(eps=eps.to(x.dtype), x0=x0.to(x.dtype))
+
+
 class EDMDiffusion(nn.Module):
     """EDM's noise levels, preconditioning and loss on T levels; `loss(net, x0, t, noise, y)` is a training step's."""
 
-    prediction = "edm"  # the network outputs EDM's F (ddpm.diffusion.samplers.base.GuidedModel turns it into x0)
+    prediction = "edm"  # the network outputs EDM's F (EDMDenoiser turns it into x0)
     schedule = "edm"  # the noise levels are EDM's grid (exports and resumes name it)
 
     def __init__(
@@ -49,7 +69,7 @@ class EDMDiffusion(nn.Module):
         super().__init__()
         _check("num_timesteps", num_timesteps, num_timesteps >= 2, ">= 2 (1000 is the usual value)")
         _check("sigma_min", sigma_min, sigma_min > 0, "> 0 (EDM: 0.002)")
-        _check("sigma_max", sigma_max, sigma_max > sigma_min, f"> diffusion.sigma_min={sigma_min} (EDM: 80)")
+        _check("sigma_max", sigma_max, sigma_max > sigma_min, f"> sigma_min={sigma_min} (EDM: 80)")
         _check("rho", rho, rho > 0, "> 0 (EDM: 7)")
         _check("sigma_data", sigma_data, sigma_data > 0, "> 0: the data's standard deviation (EDM: 0.5)")
         _check("p_std", p_std, p_std > 0, "> 0 (EDM: 1.2)")
@@ -65,8 +85,13 @@ class EDMDiffusion(nn.Module):
         return edm_sigmas(self.num_timesteps, self.sigma_min, self.sigma_max, self.rho)
 
     def betas64(self) -> Tensor:
-        """The levels as a VP schedule for the samplers: alpha_bar_t = 1 / (1 + sigma_t^2). (T,) float64, CPU."""
+        """The levels as a VP schedule, alpha_bar_t = 1 / (1 + sigma_t^2), for exports (a diffusers scheduler's
+        trained_betas). (T,) float64, CPU."""
         return betas_from_alpha_bar(1 / (1 + self.sigmas64() ** 2))
+
+    def denoiser(self, net: Net) -> "EDMDenoiser":
+        """`net` as the samplers' denoiser: EDM's preconditioning on these levels (no round trip through betas)."""
+        return EDMDenoiser(net=net, sigmas=self.sigmas64(), sigma_data=self.sigma_data)
 
     def sample_timesteps(self, batch_size: int, device: torch.device) -> Tensor:
         """ln sigma ~ N(P_mean, P_std^2), clipped to the grid, rounded to the nearest level in ln sigma: (B,) int64."""
@@ -106,4 +131,4 @@ class EDMDiffusion(nn.Module):
 
 def _check(key: str, value: object, ok: bool, rule: str) -> None:
     if not ok:
-        raise ValueError(f"diffusion.{key}={value} must be {rule}")
+        raise ValueError(f"{key}={value} must be {rule}")

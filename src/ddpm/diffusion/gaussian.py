@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ddpm.diffusion.denoiser import Denoised, Levels, Net
 from ddpm.diffusion.schedule import alpha_bar_from_betas, make_betas
 
 Prediction = Literal["eps", "v"]
@@ -83,6 +84,23 @@ def q_posterior(x0: Tensor, x_t: Tensor, t: Tensor, betas: Tensor) -> tuple[Tens
     return _at(c0, t) * x0 + _at(ct, t) * x_t, _at(variance, t)
 
 
+class VPDenoiser(Levels):
+    """A DDPM-family network (eps or v prediction) on its schedule alpha_bar (Ho et al. 2020; Salimans & Ho 2022)."""
+
+    def __init__(self, *, net: Net, alpha_bar: Tensor, prediction: Prediction) -> None:
+        a = alpha_bar.double().cpu()  # (T,) the training schedule's alpha_bar_t
+        super().__init__(((1 - a) / a).sqrt())
+        self.net, self.alpha_bar, self.prediction = net, a, prediction
+
+    def output(self, x: Tensor, sigma: Tensor, y: Tensor | None) -> Tensor:
+        return self.net(x, self.level(sigma), y).float()
+
+    def denoised(self, x: Tensor, sigma: Tensor, output: Tensor) -> Denoised:
+        a = self.alpha_bar.to(x.device)[self.level(sigma)].float().view(-1, 1, 1, 1)
+        eps, x0 = eps_and_x0(output.float(), x, a, self.prediction)
+        return Denoised(eps=eps, x0=x0)
+
+
 class GaussianDiffusion(nn.Module):
     """Schedule buffers plus the training objective; `loss(net, x0, y)` is what a training step calls."""
 
@@ -100,13 +118,13 @@ class GaussianDiffusion(nn.Module):
     ) -> None:
         super().__init__()
         if prediction not in ("eps", "v"):
-            raise ValueError(f"diffusion.prediction={prediction!r} is unknown; use 'eps' or 'v'")
+            raise ValueError(f"prediction={prediction!r} is unknown; use 'eps' or 'v'")
         if loss_weighting not in ("uniform", "min_snr"):
-            raise ValueError(f"diffusion.loss_weighting={loss_weighting!r} is unknown; use 'uniform' or 'min_snr'")
+            raise ValueError(f"loss_weighting={loss_weighting!r} is unknown; use 'uniform' or 'min_snr'")
         if not 0.0 <= p_uncond < 1.0:
-            raise ValueError(f"diffusion.p_uncond={p_uncond} must be in [0, 1); 0.1 is the usual value")
+            raise ValueError(f"p_uncond={p_uncond} must be in [0, 1); 0.1 is the usual value")
         if min_snr_gamma <= 0:
-            raise ValueError(f"diffusion.min_snr_gamma={min_snr_gamma} must be > 0; 5 is the usual value")
+            raise ValueError(f"min_snr_gamma={min_snr_gamma} must be > 0; 5 is the usual value")
         self.num_timesteps, self.schedule = num_timesteps, schedule
         self.prediction, self.loss_weighting = prediction, loss_weighting
         self.min_snr_gamma, self.p_uncond = min_snr_gamma, p_uncond
@@ -115,8 +133,12 @@ class GaussianDiffusion(nn.Module):
         self.register_buffer("alpha_bar", alpha_bar_from_betas(betas).float(), persistent=False)
 
     def betas64(self) -> Tensor:
-        """The schedule's betas recomputed in float64 (for samplers), on CPU."""
+        """The schedule's betas recomputed in float64 (for exports), on CPU."""
         return make_betas(self.schedule, self.num_timesteps)
+
+    def denoiser(self, net: Net) -> VPDenoiser:
+        """`net` as the samplers' denoiser, on this schedule (alpha_bar in float64)."""
+        return VPDenoiser(net=net, alpha_bar=alpha_bar_from_betas(self.betas64()), prediction=self.prediction)
 
     def sample_timesteps(self, batch_size: int, device: torch.device) -> Tensor:
         """t ~ U{0, ..., T-1}: (B,) int64."""

@@ -1,32 +1,21 @@
 """Batched image generation shared by sample.py, the training-time grids and evaluation. Plain torch.
 
-Which settings suit a device (`auto` precision, batch sizes, guidance checks that name config keys) is decided
-by the caller (ddpm.sampling.runtime); here each option is applied as given. Speed options (`precision="32"`,
-`compile=False`, `channels_last=False` is the float32 eager path):
-- precision: "32" | "bf16" -- the network under bf16 autocast (samplers.base.network_call).
-- channels_last: a copy of the network with NHWC (channels_last) weights, oneDNN's and cuDNN's fast convolution
-  layout; the convolutions then run (and return) NHWC. unet_mnist on an AVX512-BF16 CPU, float32: ~1.3x more
-  images/s (benchmarks/sampling.py).
-- compile: the network compiled once (torch.compile, dynamic=False) and always called on one batch shape:
-  `StaticBatch` pads a partial batch (and the doubled [cond; uncond] batch of guidance) to the full network batch.
+`generate(denoiser, sampler, shape, ...)` draws images with any sampler from any denoiser (ddpm.diffusion.denoiser:
+the network wrapped by its diffusion family, guided or not, prepared by ddpm.diffusion.network). Seeding is by
+image index, so the same seed and batch size give the same images whichever rank or process draws them.
 """
 
-import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel, Net, Output, Precision
-
-
-class Sampler(Protocol):
-    def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor: ...
+from ddpm.diffusion.denoiser import Denoised, Denoiser, Guided, Net, guidance_refusal
+from ddpm.diffusion.network import Precision, prepare_network
+from ddpm.diffusion.samplers.base import Sampler
 
 
 class NonFiniteSamplesError(FloatingPointError):
@@ -47,50 +36,49 @@ class Generated:
         return len(self.images) / max(self.seconds, 1e-9)
 
 
+class Counted:
+    """A denoiser that counts its calls (network evaluations: a batched [cond; uncond] call counts once)."""
+
+    def __init__(self, denoiser: Denoiser) -> None:
+        self.denoiser, self.sigmas, self.calls = denoiser, denoiser.sigmas, 0
+
+    def __call__(self, x: Tensor, sigma: Tensor, y: Tensor | None) -> Denoised:
+        self.calls += 1
+        return self.denoiser(x, sigma, y)
+
+
+class Family(Protocol):
+    def denoiser(self, net: Net) -> Denoiser: ...  # GaussianDiffusion, EDMDiffusion
+
+
+def denoiser_for(
+    net: Net,
+    diffusion: Family,
+    *,
+    guidance: float = 0.0,  # classifier-free guidance weight w (needs net.num_classes, the null class's index)
+    interval: tuple[float, float] | None = None,  # (sigma_lo, sigma_hi]: guide only there; None: every step
+    precision: Precision = "32",  # the network's (ddpm.diffusion.network)
+    channels_last: bool = False,  # an NHWC copy of the network
+    compile: bool = False,  # torch.compile the network, called on `rows` rows
+    rows: int | None = None,  # images per sampler batch (doubled here when guided)
+    compile_backend: str = "inductor",  # torch.compile's backend (tests and smoke runs: eager, aot_eager)
+) -> Denoiser:
+    """The denoiser sample.py, the training callbacks and the benchmarks sample with: `net` prepared
+    (ddpm.diffusion.network), wrapped by its diffusion family, guided when guidance != 0."""
+    null_class = getattr(net, "num_classes", None)
+    if (refusal := guidance_refusal(guidance, num_classes=null_class)) is not None:
+        raise ValueError(f"guidance={guidance}: {refusal}")
+    guided = guidance != 0
+    rows = rows * (2 if guided else 1) if rows is not None else None
+    prepared = prepare_network(net, precision=precision, channels_last=channels_last, compile=compile, rows=rows,
+                               compile_backend=compile_backend)  # fmt: skip
+    denoiser = diffusion.denoiser(prepared)
+    return Guided(denoiser, guidance=guidance, null_class=null_class, interval=interval) if guided else denoiser
+
+
 def to_uint8(x: Tensor) -> Tensor:
     """[-1, 1] float -> [0, 255] uint8, rounding to nearest (as the images would be saved)."""
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).contiguous()
-
-
-class StaticBatch:
-    """net(x, t, y) always called on exactly `rows` rows, so a compiled network sees one shape: fewer rows are
-    padded with copies of the last row, more run in chunks of `rows`; the output is cut back to the rows given."""
-
-    def __init__(self, net: Net, rows: int) -> None:
-        self.net, self.rows = net, rows
-
-    def __call__(self, x: Tensor, t: Tensor, y: Tensor | None) -> Tensor:
-        n = x.shape[0]
-        if n > self.rows:
-            chunks = range(0, n, self.rows)
-            return torch.cat([self(x[i : i + self.rows], t[i : i + self.rows], _rows(y, i, self.rows)) for i in chunks])
-        pad = self.rows - n
-        if pad:
-            x, t, y = _pad(x, pad), _pad(t, pad), (None if y is None else _pad(y, pad))
-        return self.net(x, t, y)[:n]
-
-
-def _rows(y: Tensor | None, start: int, count: int) -> Tensor | None:
-    return None if y is None else y[start : start + count]
-
-
-def _pad(v: Tensor, pad: int) -> Tensor:
-    return torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])
-
-
-def to_channels_last(net: Net) -> Net:
-    """A copy of `net` with NHWC (channels_last) weights; the caller's module keeps its layout (e.g. the EMA network
-    of a training run). Convert before compiling: a compiled network is refused, since its graph holds the layout."""
-    if hasattr(net, "_orig_mod"):
-        raise ValueError("channels_last: convert the network before torch.compile, not after")
-    if not isinstance(net, nn.Module):
-        raise TypeError(f"channels_last needs an nn.Module, got {type(net).__name__}")
-    return copy.deepcopy(net).to(memory_format=torch.channels_last)
-
-
-def compile_network(net: Net, backend: str | Callable = "inductor") -> Net:
-    """torch.compile(net, dynamic=False): one graph per input shape (StaticBatch keeps it to one)."""
-    return torch.compile(net, dynamic=False, backend=backend)
 
 
 def class_cycle(num_samples: int, num_classes: int) -> Tensor:
@@ -110,74 +98,43 @@ def _batches(num_samples: int, batch_size: int, first: int = 0) -> Iterator[tupl
 
 @torch.no_grad()
 def generate(
-    *,
-    net: Net,
-    betas: Tensor,
-    prediction: Output,
+    denoiser: Denoiser,
     sampler: Sampler,
-    image_shape: tuple[int, int, int],
-    num_samples: int,
+    shape: tuple[int, int, int, int],
+    *,
     labels: Tensor | None = None,
-    null_class: int | None = None,
-    guidance: float = 0.0,
     seed: int = 0,
     batch_size: int = 64,
-    device: torch.device | str = "cpu",
     first_index: int = 0,
-    on_batch: Callable[[int], None] | None = None,
-    precision: Precision = "32",
-    channels_last: bool = False,
-    compile: bool = False,
-    compile_backend: str | Callable = "inductor",
-    sigma_data: float | None = None,
-    guidance_interval: tuple[float, float] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Generated:
-    """Draw `num_samples` images (indices first_index.. for seeding) in batches of `batch_size`.
+    """Draw shape[0] images of shape (C, H, W) = shape[1:] in batches of `batch_size` on `device` (the network's).
 
-    labels: (N,) int64 for a conditional model (None: unconditional, or the null class); the same seed, batch size
-    and first_index give the same images. prediction and sigma_data: the run's diffusion.prediction and
-    diffusion.sigma_data (an EDM model's "edm" and its data scale; None otherwise). guidance_interval: (sigma_lo,
-    sigma_hi], guidance only at steps whose sigma_t lies in it (samplers.base.GuidedModel); None: at every step.
-    precision: 32 or bf16 (the network only, see samplers.base.network_call; `auto` is decided by the caller,
-    ddpm.sampling.runtime).
-    channels_last: sample with an NHWC copy of `net` (to_channels_last). compile: torch.compile the network (already
-    compiled `net`s are reused, e.g. by several calls), always called on batch_size rows (or num_samples if fewer;
-    twice that with guidance): a partial last batch is padded, so the sampler draws the same noise as the uncompiled
-    run.
+    labels: (N,) int64 for a conditional model (None: unconditional, or the null class). Image i (first_index + i)
+    is drawn from the noise of its batch's seed (`batch_seed`), so the same seed, batch size and first_index give the
+    same images. The sampler runs in float32, even inside an autocast.
     """
-    if num_samples <= 0:
-        raise ValueError(f"num_samples={num_samples} must be > 0")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size} must be > 0")
-    if channels_last:
-        net = to_channels_last(net)
-    if compile:
-        guided = guidance != 0 and labels is not None
-        compiled = net if hasattr(net, "_orig_mod") else compile_network(net, compile_backend)
-        rows = min(batch_size, num_samples)  # fewer images than a batch: no padding up to batch_size
-        net = StaticBatch(compiled, rows=rows * (2 if guided else 1))
-    model = GuidedModel(
-        net=net, betas=betas, prediction=prediction, guidance=guidance, null_class=null_class, precision=precision,
-        sigma_data=sigma_data, guidance_interval=guidance_interval,
-    )  # fmt: skip
+    num_samples, *image_shape = shape
+    if num_samples <= 0 or batch_size <= 0:
+        raise ValueError(f"the number of samples ({num_samples}) and batch_size ({batch_size}) must be > 0")
+    device = torch.device(device)
+    counted = Counted(denoiser)
     images, began = [], time.perf_counter()
-    float32 = torch.autocast(torch.device(device).type, enabled=False)  # float32 even inside a bf16 run
+    float32 = torch.autocast(device.type, enabled=False)
     for start, stop in _batches(num_samples, batch_size, first_index):
         generator = torch.Generator(device).manual_seed(batch_seed(seed, start))
         x_T = torch.randn((stop - start, *image_shape), generator=generator, device=device)
         y = None if labels is None else labels[start - first_index : stop - first_index].to(device)
         with float32:
-            x0 = sampler.sample(model, x_T, y, generator=generator)
+            x0 = sampler.sample(counted, x_T, counted.sigmas, y, generator=generator)
         if not bool(torch.isfinite(x0).all()):  # to_uint8 would write NaN as 0: black images
             raise NonFiniteSamplesError(
                 f"the sampler produced NaN/inf images (batch of samples {start}..{stop - 1}): the network's outputs "
-                f"are not finite ({model.nfe} network calls so far); its weights may hold NaN/inf, or its "
-                f"{precision} arithmetic overflows"
+                f"are not finite ({counted.calls} network calls so far); its weights may hold NaN/inf, or its "
+                "arithmetic overflows (bf16: sample with precision=32)"
             )
         images.append(to_uint8(x0).cpu())
-        if on_batch is not None:
-            on_batch(stop - start)
     batches = max(1, -(-num_samples // batch_size))
     return Generated(
-        images=torch.cat(images), labels=labels, nfe=model.nfe // batches, seconds=time.perf_counter() - began
+        images=torch.cat(images), labels=labels, nfe=counted.calls // batches, seconds=time.perf_counter() - began
     )

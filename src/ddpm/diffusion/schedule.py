@@ -49,8 +49,8 @@ def respaced_timesteps(num_timesteps: int, steps: int) -> Tensor:
     `space_timesteps` for one section): round(i * (T - 1) / (steps - 1)). (steps,) int64, ascending."""
     if not 1 <= steps <= num_timesteps:
         raise ValueError(
-            f"sampler.steps={steps} must be between 1 and the model's T={num_timesteps}; "
-            f"set sampler.steps to at most {num_timesteps} (sampler.steps=null: all of them)"
+            f"steps={steps} must be between 1 and the model's T={num_timesteps}; "
+            f"set steps to at most {num_timesteps} (steps=null: all of them)"
         )
     if steps == 1:
         return torch.tensor([num_timesteps - 1])
@@ -61,17 +61,17 @@ def respaced_timesteps(num_timesteps: int, steps: int) -> Tensor:
 def make_betas(schedule: str, num_timesteps: int) -> Tensor:
     """Look up `schedule` in SCHEDULES and build its (T,) float64 betas."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"diffusion.schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
     if num_timesteps < 1:
-        raise ValueError(f"diffusion.num_timesteps={num_timesteps} must be >= 1 (1000 is the usual value)")
+        raise ValueError(f"num_timesteps={num_timesteps} must be >= 1 (1000 is the usual value)")
     betas = SCHEDULES[schedule](num_timesteps)
     if not valid_betas(betas):
         smallest = next((t for t in range(num_timesteps + 1, 100_001) if valid_betas(SCHEDULES[schedule](t))), None)
         raise ValueError(
-            f"diffusion.schedule={schedule} with diffusion.num_timesteps={num_timesteps} gives betas in "
+            f"schedule={schedule} with num_timesteps={num_timesteps} gives betas in "
             f"[{betas.min().item():.3g}, {betas.max().item():.3g}], not inside (0, 1): alpha_bar would reach 0 or go "
-            f"negative and the loss NaN. Use diffusion.num_timesteps>={smallest} (the smallest T that works) or "
-            "diffusion.schedule=cosine"
+            f"negative and the loss NaN. Use num_timesteps>={smallest} (the smallest T that works) or "
+            "schedule=cosine"
         )
     return betas
 

@@ -22,9 +22,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ddpm.atomic import atomic_save
 from ddpm.data.sources import Source
 from ddpm.metrics.features import FeatureExtractor, brief
-from ddpm.weights.atomic import atomic_save
 
 Metric = Literal["fid", "kid", "is"]
 METRICS: tuple[str, ...] = ("fid", "kid", "is")

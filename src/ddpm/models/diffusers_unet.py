@@ -56,11 +56,11 @@ def unet2d_config(arguments: Mapping[str, Any]) -> dict[str, Any]:
     mult, base, size = list(a["channel_mult"]), a["base_channels"], a["image_size"]
     if a.get("downsample") is not None and not all(a["downsample"]):
         raise NotUNet2D(
-            f"model.downsample={list(a['downsample'])}: UNet2DModel halves the size after every level but the last"
+            f"downsample={list(a['downsample'])}: UNet2DModel halves the size after every level but the last"
         )
     if mult[0] != 1:
         raise NotUNet2D(
-            f"model.channel_mult={mult} starts at {mult[0]}, not 1: UNet2DModel's conv_in and time features are as "
+            f"channel_mult={mult} starts at {mult[0]}, not 1: UNet2DModel's conv_in and time features are as "
             "wide as its first level"
         )
     widths = [base * m for m in mult]
@@ -70,7 +70,7 @@ def unet2d_config(arguments: Mapping[str, Any]) -> dict[str, Any]:
         attended = sorted({w for w, on in zip(widths, attention, strict=True) if on} | {widths[-1]})  # + the middle
         if len(attended) > 1:
             raise NotUNet2D(
-                f"model.num_heads={a['num_heads']} at the attention widths {attended} (the middle included) gives "
+                f"num_heads={a['num_heads']} at the attention widths {attended} (the middle included) gives "
                 f"head widths {[w // a['num_heads'] for w in attended]}; UNet2DModel has one attention_head_dim"
             )
         head_dim = attended[0] // a["num_heads"]

@@ -28,40 +28,40 @@ def _validate(
 ) -> None:
     """Reject configurations that cannot build or cannot run, naming the value to change."""
     if not channel_mult or min(channel_mult) < 1:
-        raise ValueError(f"model.channel_mult={list(channel_mult)} needs at least one entry, all >= 1")
+        raise ValueError(f"channel_mult={list(channel_mult)} needs at least one entry, all >= 1")
     if len(downsample) != len(channel_mult) - 1:
         raise ValueError(
-            f"model.downsample={list(downsample)} needs one entry per level transition "
-            f"({len(channel_mult) - 1} for model.channel_mult={list(channel_mult)}), or null for all true"
+            f"downsample={list(downsample)} needs one entry per level transition "
+            f"({len(channel_mult) - 1} for channel_mult={list(channel_mult)}), or null for all true"
         )
     factor = 2 ** sum(downsample)
     if image_size % factor:
         raise ValueError(
-            f"model.image_size={image_size} is not divisible by {factor} (2**{sum(downsample)} "
-            f"downsamplings); use a multiple of {factor} or fewer entries in model.channel_mult"
+            f"image_size={image_size} is not divisible by {factor} (2**{sum(downsample)} "
+            f"downsamplings); use a multiple of {factor} or fewer entries in channel_mult"
         )
     widths = sorted({base_channels * m for m in channel_mult})
     bad = [w for w in widths if w % groups]
     if bad:
         raise ValueError(
-            f"GroupNorm with model.norm_groups={groups} does not divide the widths {bad} "
-            f"(model.base_channels={base_channels} x model.channel_mult={list(channel_mult)}); "
-            f"use a base_channels that is a multiple of {groups} or change model.norm_groups"
+            f"GroupNorm with norm_groups={groups} does not divide the widths {bad} "
+            f"(base_channels={base_channels} x channel_mult={list(channel_mult)}); "
+            f"use a base_channels that is a multiple of {groups} or change norm_groups"
         )
     resolutions = [image_size // 2 ** sum(downsample[:i]) for i in range(len(channel_mult))]
     missing = sorted(set(attention_resolutions) - set(resolutions))
     if missing:
         raise ValueError(
-            f"model.attention_resolutions has {missing}, which never occur; the UNet runs at {resolutions} "
-            f"for model.image_size={image_size}; pick attention resolutions among those"
+            f"attention_resolutions={list(attention_resolutions)} has {missing}, which never occur; the UNet runs at "
+            f"{resolutions} for image_size={image_size}; pick attention resolutions among those"
         )
     bad_heads = [w for w in widths if w % num_heads]
     if bad_heads:
-        raise ValueError(f"model.num_heads={num_heads} does not divide the widths {bad_heads}; use a divisor")
+        raise ValueError(f"num_heads={num_heads} does not divide the widths {bad_heads}; use a divisor")
     if num_classes is not None and num_classes < 1:
-        raise ValueError(f"model.num_classes={num_classes} must be >= 1, or null for an unconditional model")
+        raise ValueError(f"num_classes={num_classes} must be >= 1, or null for an unconditional model")
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"model.dropout={dropout} must be in [0, 1)")
+        raise ValueError(f"dropout={dropout} must be in [0, 1)")
 
 
 class UNet(nn.Module):

@@ -13,12 +13,17 @@ plain-torch `ddpm.diffusion.generate.generate` with concrete values:
 
 import warnings
 from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
 import torch
 
-from ddpm.diffusion.samplers.base import PRECISIONS, Precision, check_interval
-from ddpm.metrics.sharding import world
+from ddpm.config.build import keyed
+from ddpm.diffusion.denoiser import check_interval, guidance_refusal
+from ddpm.diffusion.network import PRECISIONS, Precision
+from ddpm.models.vae import VAE
 from ddpm.precision import fast_bf16, native_bf16
+from ddpm.ranks import world
 
 CPU_BATCH = 64  # network rows per call on CPU (unet_mnist: 64 ~1.7x faster per image than 256)
 GPU_BATCH = 256  # images per sampler batch on a GPU
@@ -36,28 +41,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float | None, key: str = "guidance") -> None:
-    """Refuse a classifier-free guidance weight the model cannot honour, naming `key` (the setting to change).
-
-    Guidance mixes the conditional prediction with the null class's (unconditional) one, so it needs a
-    class-conditional model (model.num_classes set) whose null class was trained: labels dropped to it with
-    probability diffusion.p_uncond > 0. sample.py and the training-time grid (SampleGrid) both call this.
-    """
-    if guidance < 0:
-        raise ValueError(f"{key}={guidance} must be >= 0 (0 = no guidance; 1-5 are usual)")
-    if guidance == 0:
+    """Refuse a guidance weight the model cannot honour (ddpm.diffusion.denoiser.guidance_refusal), naming `key`,
+    the setting to change, before anything is drawn or trained. sample.py and train() (for the callbacks) call it."""
+    refusal = guidance_refusal(guidance, num_classes=num_classes, p_uncond=p_uncond)
+    if refusal is None:
         return
-    if num_classes is None:
-        raise ValueError(
-            f"{key}={guidance} needs a class-conditional model, but this one is unconditional "
-            f"(model.num_classes: null); set {key}=0 or train with model.num_classes set"
-        )
-    if p_uncond is not None and p_uncond <= 0:
-        raise ValueError(
-            f"{key}={guidance} needs the model's unconditional (null-class) prediction, but its run has "
-            f"diffusion.p_uncond={p_uncond}: no label is ever dropped to the null class, so that prediction is "
-            f"untrained and guided samples would be noise; set {key}=0, or train with diffusion.p_uncond > 0 "
-            "(0.1 is usual)"
-        )
+    if guidance < 0:
+        raise ValueError(f"{key}={guidance}: {refusal}; set {key}=0 or a positive weight")
+    raise ValueError(
+        f"{key}={guidance}: {keyed(refusal, 'diffusion', ['p_uncond'])}; set {key}=0, or train a class-conditional "
+        "model (model.num_classes) with diffusion.p_uncond > 0 (0.1 is usual)"
+    )
 
 
 def resolve_sampling_precision(
@@ -90,8 +84,8 @@ def default_batch_size(device: torch.device | str, *, guided: bool) -> int:
 
 
 def guidance_interval(value: Sequence[float] | None, key: str = "guidance_interval") -> tuple[float, float] | None:
-    """A config's guidance interval [sigma_lo, sigma_hi] (null: none) as the tuple GuidedModel takes; a bad value is
-    refused naming `key`."""
+    """A config's guidance interval [sigma_lo, sigma_hi] (null: none) as the tuple ddpm.diffusion.denoiser.Guided
+    takes; a bad value is refused naming `key`."""
     if value is None:
         return None
     try:
@@ -99,3 +93,33 @@ def guidance_interval(value: Sequence[float] | None, key: str = "guidance_interv
     except (TypeError, ValueError) as error:
         shown = list(value) if isinstance(value, Sequence) else value
         raise ValueError(f"{key}={shown}: {error}, or {key}=null to guide every step") from error
+
+
+def load_decoder(
+    latent: dict[str, Any] | None, device: torch.device | str, folder: str | None = None, *, key: str = "vae"
+) -> VAE | None:
+    """The VAE that decodes a latent model's samples, or None for a pixel model. `latent` is the run config's latent
+    record (ddpm.data.latents.latent_record); the VAE is the folder it names, or `folder`, refused (naming `key`)
+    when it is missing or holds other weights than the latents were encoded with. Loaded once per folder and device."""
+    if not latent:
+        return None
+    path = folder or latent["vae"]
+    try:
+        vae = _load_vae(str(path), str(device))
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"the model samples latents of the VAE in {latent['vae']}, and {path} holds none ({error}); pass "
+            f"{key}=<the folder of that VAE> (identity {latent['vae_identity']})"
+        ) from error
+    if vae.identity != latent["vae_identity"]:
+        raise ValueError(
+            f"{key}={path} holds the VAE {vae.identity}, but the model was trained on latents of the VAE "
+            f"{latent['vae_identity']} (encoded from {latent['vae']}); its decoder would draw other images: pass "
+            f"{key}=<the folder of that VAE>"
+        )
+    return vae
+
+
+@cache
+def _load_vae(folder: str, device: str) -> VAE:
+    return VAE.load(folder, device)

@@ -3,7 +3,6 @@
 Imports flow one way, leaves first (no module imports a later one):
 
     model.py             LoadedModel, CheckpointError, the run config, rebuilding UNet + schedule from it
-    atomic.py            temp file + fsync + rename: a write is whole or absent
     torch_file.py        Lightning `.ckpt` and the small `ema.pt` (torch.load(weights_only=True))
     safetensors_file.py  `ema.safetensors`: weights + the run config in the header, never unpickled
     diffusers_adapter.py our UNet as a diffusers ModelMixin (needs diffusers)
@@ -16,7 +15,7 @@ Imports flow one way, leaves first (no module imports a later one):
     lightning_io.py      AtomicCheckpointIO, the Trainer plugin that writes and reads `.ckpt` through them
 
 `load_model(path)` is what sample.py, export and evaluation call; resume reads `.ckpt` through torch_file;
-`load_init` is train.py's init_from.
+`load_init` is train.py's init_from. Files are written through ddpm.atomic (temp file + fsync + rename).
 """
 
 from ddpm.weights.loader import load_model

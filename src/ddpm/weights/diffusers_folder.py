@@ -16,14 +16,15 @@ sample.py takes ckpt=<folder> without diffusers. How to use a folder in diffuser
 import inspect
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddpm.atomic import atomic_folder, tensor_bytes
 from ddpm.models.diffusers_unet import NotUNet2D
 from ddpm.models.unet import UNet
-from ddpm.weights.atomic import atomic_folder, tensor_bytes
 from ddpm.weights.diffusers_files import (
     RUN_CONFIG,
     WEIGHTS,
@@ -47,6 +48,8 @@ EXPORT_FILES = (
     "scheduler/scheduler_config.json",
     "model_index.json",
     RUN_CONFIG,
+    "vae/config.json",  # a latent model's VAE (diffusers' AutoencoderKL): its decoder turns samples into images
+    f"vae/{WEIGHTS}",
 )
 # UNet arguments that describe the network (checkpoint_activations is a training-time switch, left out).
 UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in ("self", "checkpoint_activations")]
@@ -102,7 +105,34 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
     size = tensor_bytes(loaded.net.state_dict()) + 2 * len(json.dumps(scheduler_config(loaded.diffusion)))
     fix = "Free disk space, or pass another out=<folder> (on a disk with room)"
     write = write_native if native else write_adapter
-    return atomic_folder(out, lambda folder: write(loaded, folder), size=size, fix=fix, files=EXPORT_FILES)
+    vae = (loaded.config.get("latent") or {}).get("vae")
+    size += sum(f.stat().st_size for f in Path(vae).glob("*") if f.is_file()) if vae else 0
+
+    def write_all(folder: Path) -> Path:
+        write(loaded, folder)
+        return add_vae(folder, loaded.config["latent"]) if vae else folder
+
+    return atomic_folder(out, write_all, size=size, fix=fix, files=EXPORT_FILES)
+
+
+def add_vae(folder: Path, latent: dict[str, Any]) -> Path:
+    """A latent model's VAE into the export, as `vae/` (its config and weights, byte for byte: the same identity),
+    named in model_index.json (diffusers' AutoencoderKL); refused if the folder no longer holds the VAE the
+    latents were encoded with."""
+    from ddpm.models.vae import folder_identity
+
+    source = Path(latent["vae"])
+    if not (source / "config.json").is_file() or folder_identity(source) != latent["vae_identity"]:
+        raise CheckpointError(
+            f"the model was trained on latents of the VAE {latent['vae_identity']} in {source}, which no longer "
+            "holds it; restore that folder to export the model with its decoder"
+        )
+    (folder / "vae").mkdir()
+    for name in ("config.json", WEIGHTS):
+        shutil.copyfile(source / name, folder / "vae" / name)
+    index = read_json(folder / "model_index.json", folder)
+    (folder / "model_index.json").write_text(json.dumps(index | {"vae": ["diffusers", "AutoencoderKL"]}, indent=2))
+    return folder
 
 
 def write_adapter(loaded: LoadedModel, out: Path) -> Path:

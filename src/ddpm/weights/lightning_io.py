@@ -1,6 +1,6 @@
 """AtomicCheckpointIO: Lightning checkpoints written whole or not at all, read without unpickling code.
 
-A save goes through `ddpm.weights.atomic.atomic_save` (temporary file, fsync, rename), so a process killed at
+A save goes through `ddpm.atomic.atomic_save` (temporary file, fsync, rename), so a process killed at
 any instant leaves either the old file or the new one, never a torn `*.ckpt`, and a failed write (full disk,
 size limit) raises one WriteError naming the path, the bytes, the free space and the fix. Weights that are
 not finite are refused before anything is written. Loads use `ddpm.weights.torch_file.load_checkpoint`
@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ddpm.weights.atomic import atomic_save
+from ddpm.atomic import atomic_save
 from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, non_finite_tensors
 from ddpm.weights.torch_file import load_checkpoint
 

@@ -21,16 +21,25 @@ from ddpm.weights.torch_file import load_torch_model
 
 
 def load_folder(folder: Path, device: torch.device | str = "cpu") -> LoadedModel:
-    """A diffusers pipeline folder, by the unet its model_index.json names."""
+    """A diffusers pipeline folder, by the unet its model_index.json names (a latent model's decoder: its `vae/`)."""
     unet = read_json(folder / "model_index.json", folder).get("unet")
     if unet == NATIVE_UNET:
-        return load_native(folder, device)
+        return with_own_vae(load_native(folder, device), folder)
     if unet in LEGACY_ADAPTERS:
-        return load_export(folder, device)
+        return with_own_vae(load_export(folder, device), folder)
     raise CheckpointError(
         f"{folder} is a diffusers folder whose unet is {unet}; lightning-ddpm reads {NATIVE_UNET} (in its UNet's "
         f"family) and its own {ADAPTER}"
     )
+
+
+def with_own_vae(loaded: LoadedModel, folder: Path) -> LoadedModel:
+    """An exported latent model decodes with the VAE in its own folder (copied byte for byte at export)."""
+    latent = loaded.config.get("latent")
+    if not latent or not (folder / "vae" / "config.json").is_file():
+        return loaded
+    return LoadedModel(net=loaded.net, diffusion=loaded.diffusion,
+                       config=loaded.config | {"latent": latent | {"vae": str(folder / "vae")}})  # fmt: skip
 
 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:

@@ -32,11 +32,12 @@ class LoadedModel:
     config: dict[str, Any]
 
 
-def run_config(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """The resolved config a checkpoint's run was trained with (`config`, or Lightning's hyper_parameters)."""
+def run_config(checkpoint: Mapping[str, Any], *, needs: tuple[str, ...] = ("model", "diffusion")) -> dict[str, Any]:
+    """The resolved config a checkpoint's run was trained with (`config`, or Lightning's hyper_parameters), holding
+    the nodes `needs` (a resume needs the model only: a VAE run, module=vae, has no diffusion)."""
     config = checkpoint.get("config") or checkpoint.get("hyper_parameters", {}).get("config")
-    if not config or "model" not in config or "diffusion" not in config:
-        raise CheckpointError("the checkpoint carries no run config (model, diffusion); it cannot be rebuilt")
+    if not config or any(key not in config for key in needs):
+        raise CheckpointError(f"the checkpoint carries no run config ({', '.join(needs)}); it cannot be rebuilt")
     return config
 
 

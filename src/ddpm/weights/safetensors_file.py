@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import Tensor
 
-from ddpm.weights.atomic import atomic_write
+from ddpm.atomic import atomic_write
 from ddpm.weights.model import CheckpointError, LoadedModel, build_model
 
 FORMAT = "lightning-ddpm/ema-safetensors/1"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddpm.weights.atomic import atomic_save
+from ddpm.atomic import atomic_save
 from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, LoadedModel, build_model, run_config
 
 EXPORT_FORMAT = "lightning-ddpm/ema-export/1"

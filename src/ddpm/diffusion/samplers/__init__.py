@@ -1,1 +1,2 @@
-"""Samplers: each turns a GuidedModel and x_T ~ N(0, I) into images in [-1, 1]."""
+"""Samplers: each turns a denoiser (ddpm.diffusion.denoiser), x_T ~ N(0, I) and the model's noise levels into
+images in [-1, 1]."""

@@ -19,7 +19,8 @@ eps. The step is then linear in (x0_hat, x_t), with coefficients computed once i
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.denoiser import Denoiser, alpha_bar_of
+from ddpm.diffusion.samplers.base import sigma_batch
 from ddpm.diffusion.samplers.spacing import SCHEDULE_SPACINGS, Spacing, step_timesteps, validate_spacing
 
 
@@ -47,9 +48,9 @@ class DDIMSampler:
     ) -> None:
         validate_spacing(spacing, steps, steps_offset)
         if spacing in SCHEDULE_SPACINGS:
-            raise ValueError(f"sampler.spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
+            raise ValueError(f"spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
         if eta < 0:
-            raise ValueError(f"sampler.eta={eta} must be >= 0 (0 = deterministic DDIM, 1 = DDPM-like noise)")
+            raise ValueError(f"eta={eta} must be >= 0 (0 = deterministic DDIM, 1 = DDPM-like noise)")
         self.steps, self.eta, self.spacing = steps, eta, spacing
         self.steps_offset, self.clip_denoised = steps_offset, clip_denoised
 
@@ -59,15 +60,15 @@ class DDIMSampler:
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Run DDIM from x_T (B, C, H, W) ~ N(0, I); returns x0 (B, C, H, W) in [-1, 1]."""
-        visited = self.timesteps(model.num_timesteps)
-        c0, ct, sigma = (c.tolist() for c in ddim_coefficients(model.alpha_bar[visited], self.eta))
+        visited = self.timesteps(len(sigmas))
+        c0, ct, sigma = (c.tolist() for c in ddim_coefficients(alpha_bar_of(sigmas.double())[visited], self.eta))
         x = x_T.float()
         for i, step in enumerate(visited.tolist()):
-            t = torch.full((x.shape[0],), step, dtype=torch.long, device=x.device)
-            x0 = model(x, t, y).x0
+            x0 = denoiser(x, sigma_batch(sigmas, step, x), y).x0
             x0 = x0.clamp(-1, 1) if self.clip_denoised else x0
             x = c0[i] * x0 + ct[i] * x  # Song et al. 2021, eq. 12, without the noise
             if sigma[i] > 0:

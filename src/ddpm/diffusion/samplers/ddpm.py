@@ -10,8 +10,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ddpm.diffusion.denoiser import Denoiser, alpha_bar_of
 from ddpm.diffusion.gaussian import posterior_coefficients
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.samplers.base import sigma_batch
 from ddpm.diffusion.schedule import betas_from_alpha_bar, respaced_timesteps
 
 Variance = Literal["fixed_small", "fixed_large"]
@@ -28,9 +29,9 @@ class DDPMSampler:
         clip_denoised: bool = True,  # clip the predicted x0 to [-1, 1] before the posterior mean
     ) -> None:
         if variance not in ("fixed_small", "fixed_large"):
-            raise ValueError(f"sampler.variance={variance!r} is unknown; use 'fixed_small' or 'fixed_large'")
+            raise ValueError(f"variance={variance!r} is unknown; use 'fixed_small' or 'fixed_large'")
         if steps is not None and steps < 1:
-            raise ValueError(f"sampler.steps={steps} must be >= 1, or null for all T timesteps")
+            raise ValueError(f"steps={steps} must be >= 1, or null for all T timesteps")
         self.steps, self.variance, self.clip_denoised = steps, variance, clip_denoised
 
     def timesteps(self, num_timesteps: int) -> Tensor:
@@ -39,11 +40,12 @@ class DDPMSampler:
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Run the reverse chain from x_T (B, C, H, W) ~ N(0, I); returns x0 (B, C, H, W) in [-1, 1]."""
-        kept = self.timesteps(model.num_timesteps)
-        betas = betas_from_alpha_bar(model.alpha_bar[kept])  # (S,) float64, respaced
+        kept = self.timesteps(len(sigmas))
+        betas = betas_from_alpha_bar(alpha_bar_of(sigmas.double())[kept])  # (S,) float64, respaced
         c0, ct, variance = posterior_coefficients(betas)
         if self.variance == "fixed_large":
             variance = betas
@@ -51,8 +53,7 @@ class DDPMSampler:
         c0, ct = c0.tolist(), ct.tolist()
         x = x_T.float()
         for i in reversed(range(len(kept))):
-            t = torch.full((x.shape[0],), int(kept[i]), dtype=torch.long, device=x.device)
-            x0 = model(x, t, y).x0
+            x0 = denoiser(x, sigma_batch(sigmas, int(kept[i]), x), y).x0
             x0 = x0.clamp(-1, 1) if self.clip_denoised else x0
             x = c0[i] * x0 + ct[i] * x  # posterior mean, Ho et al. 2020, eq. 7
             if i > 0:

@@ -20,7 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.denoiser import Denoiser, alpha_bar_of
+from ddpm.diffusion.samplers.base import sigma_batch
 from ddpm.diffusion.samplers.spacing import Spacing, interval_timesteps, validate_spacing
 
 
@@ -59,7 +60,7 @@ class DPMSolverSampler:
     ) -> None:
         validate_spacing(spacing, steps, steps_offset)
         if order not in (1, 2):
-            raise ValueError(f"sampler.order={order} is unsupported; use 2 (DPM-Solver++ 2M) or 1 (DDIM-like)")
+            raise ValueError(f"order={order} is unsupported; use 2 (DPM-Solver++ 2M) or 1 (DDIM-like)")
         self.steps, self.order, self.spacing = steps, order, spacing
         self.steps_offset, self.clip_denoised = steps_offset, clip_denoised
 
@@ -75,15 +76,16 @@ class DPMSolverSampler:
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Solve from x_T (B, C, H, W) ~ N(0, I) to sigma = 0; returns x0 (B, C, H, W) in [-1, 1]. Deterministic."""
-        visited = self.timesteps(model.num_timesteps, model.alpha_bar)
-        ratio, phi, r = (c.tolist() for c in dpm_solver_coefficients(model.alpha_bar[visited]))
+        alpha_bar = alpha_bar_of(sigmas.double())
+        visited = self.timesteps(len(sigmas), alpha_bar)
+        ratio, phi, r = (c.tolist() for c in dpm_solver_coefficients(alpha_bar[visited]))
         x, previous = x_T.float(), None
         for i, step in enumerate(visited.tolist()):
-            t = torch.full((x.shape[0],), step, dtype=torch.long, device=x.device)
-            x0 = model(x, t, y).x0
+            x0 = denoiser(x, sigma_batch(sigmas, step, x), y).x0
             x0 = x0.clamp(-1, 1) if self.clip_denoised else x0
             d = x0
             if self.step_order(i) == 2:

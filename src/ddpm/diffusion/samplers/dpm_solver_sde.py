@@ -17,7 +17,8 @@ per step but the last, in order, from `generator`. Coefficients in float64, loop
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel
+from ddpm.diffusion.denoiser import Denoiser, alpha_bar_of
+from ddpm.diffusion.samplers.base import sigma_batch
 from ddpm.diffusion.samplers.dpm_solver import half_log_snr
 from ddpm.diffusion.samplers.spacing import Spacing, interval_timesteps, validate_spacing
 
@@ -70,15 +71,16 @@ class DPMSolverSDESampler:
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Solve from x_T (B, C, H, W) ~ N(0, I) to sigma = 0; returns x0 (B, C, H, W) in [-1, 1]."""
-        visited = self.timesteps(model.num_timesteps, model.alpha_bar)
-        ratio, phi, noise, r = (c.tolist() for c in sde_dpm_solver_coefficients(model.alpha_bar[visited]))
+        alpha_bar = alpha_bar_of(sigmas.double())
+        visited = self.timesteps(len(sigmas), alpha_bar)
+        ratio, phi, noise, r = (c.tolist() for c in sde_dpm_solver_coefficients(alpha_bar[visited]))
         x, previous = x_T.float(), None
         for i, step in enumerate(visited.tolist()):
-            t = torch.full((x.shape[0],), step, dtype=torch.long, device=x.device)
-            x0 = model(x, t, y).x0
+            x0 = denoiser(x, sigma_batch(sigmas, step, x), y).x0
             x0 = x0.clamp(-1, 1) if self.clip_denoised else x0
             d = x0
             if self.step_order(i) == 2:

@@ -25,13 +25,8 @@ import math
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel
-
-
-def discrete_sigmas(alpha_bar: Tensor) -> Tensor:
-    """sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t): (T,) float64, ascending in t."""
-    a = alpha_bar.double()
-    return ((1 - a) / a).sqrt()
+from ddpm.diffusion.denoiser import Denoiser, alpha_bar_of
+from ddpm.diffusion.samplers.base import sigma_batch
 
 
 def round_sigma(sigma: Tensor, sigmas: Tensor) -> Tensor:
@@ -48,18 +43,18 @@ def karras_sigmas(sigma_min: float, sigma_max: float, steps: int, rho: float) ->
 
 
 def check(key: str, value: object, ok: bool, rule: str) -> None:
-    """Raise a ValueError naming sampler.<key> unless ok; rule says what the value must be."""
+    """Raise a ValueError naming the argument `key` unless ok; rule says what the value must be."""
     if not ok:
-        raise ValueError(f"sampler.{key}={value} must be {rule}")
+        raise ValueError(f"{key}={value} must be {rule}")
 
 
-class Denoiser:
-    """A GuidedModel as EDM's D(x_hat; sigma_t) at the discrete timesteps t, for one batch's labels y."""
+class HatDenoiser:
+    """A denoiser as EDM's D(x_hat; sigma_t) at the grid's levels t (sigmas: (T,) float64), for one batch's labels y."""
 
-    def __init__(self, model: GuidedModel, y: Tensor | None, *, clip: bool) -> None:
-        self.model, self.y, self.clip = model, y, clip
-        self.sigmas = discrete_sigmas(model.alpha_bar)  # (T,) float64
-        self.scales = model.alpha_bar.double().sqrt().tolist()  # x_t = x_hat sqrt(alpha_bar_t)
+    def __init__(self, denoiser: Denoiser, sigmas: Tensor, y: Tensor | None, *, clip: bool) -> None:
+        self.denoiser, self.y, self.clip = denoiser, y, clip
+        self.sigmas = sigmas.double()  # (T,)
+        self.scales = alpha_bar_of(self.sigmas).sqrt().tolist()  # x = x_hat sqrt(alpha_bar_t)
 
     def sigma(self, t: int | None) -> float:
         """sigma_t; None stands for the clean end, sigma = 0."""
@@ -71,8 +66,7 @@ class Denoiser:
 
     def __call__(self, x_hat: Tensor, t: int) -> Tensor:
         """D(x_hat; sigma_t): the x0 prediction at timestep t; x_hat (B, C, H, W) float32."""
-        t_batch = torch.full((x_hat.shape[0],), t, dtype=torch.long, device=x_hat.device)
-        x0 = self.model(x_hat * self.scales[t], t_batch, self.y).x0
+        x0 = self.denoiser(x_hat * self.scales[t], sigma_batch(self.sigmas, t, x_hat), self.y).x0
         return x0.clamp(-1, 1) if self.clip else x0
 
     def heun(self, x_hat: Tensor, t: int, t_next: int | None) -> Tensor:
@@ -106,15 +100,16 @@ class EDMSampler:
         check("churn", churn, churn >= 0, ">= 0 (0 = deterministic Heun)")
         check("s_noise", s_noise, s_noise >= 0, ">= 0")
         check("rho", rho, rho > 0, "> 0")
-        check("s_tmin", s_tmin, s_tmin <= s_tmax, f"<= sampler.s_tmax={s_tmax}")
+        check("s_tmin", s_tmin, s_tmin <= s_tmax, f"<= s_tmax={s_tmax}")
         check("sigma_min", sigma_min, sigma_min is None or sigma_min > 0, "> 0, or null for the model's")
-        check("sigma_max", sigma_max, sigma_max is None or sigma_max > (sigma_min or 0), "> sampler.sigma_min")
+        check("sigma_max", sigma_max, sigma_max is None or sigma_max > (sigma_min or 0), "> sigma_min")
         self.steps, self.churn, self.s_tmin, self.s_tmax, self.s_noise = steps, churn, s_tmin, s_tmax, s_noise
         self.rho, self.sigma_min, self.sigma_max, self.clip_denoised = rho, sigma_min, sigma_max, clip_denoised
 
-    def timesteps(self, model: GuidedModel) -> Tensor:
-        """The timesteps of the rounded grid sigma_0 > ... > sigma_{N-1}: (N,) int64 (sigma_N = 0 is implied)."""
-        sigmas = discrete_sigmas(model.alpha_bar)
+    def timesteps(self, sigmas: Tensor) -> Tensor:
+        """The levels t of the rounded grid sigma_0 > ... > sigma_{N-1} of the model's (T,) sigmas: (N,) int64
+        (sigma_N = 0 is implied)."""
+        sigmas = sigmas.double()
         low = float(sigmas[0]) if self.sigma_min is None else self.sigma_min
         high = float(sigmas[-1]) if self.sigma_max is None else self.sigma_max
         return round_sigma(karras_sigmas(low, high, self.steps, self.rho), sigmas)
@@ -125,11 +120,12 @@ class EDMSampler:
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Run algorithm 2 from x_T (B, C, H, W) ~ N(0, I); returns x0 (B, C, H, W) in [-1, 1]."""
-        denoiser = Denoiser(model, y, clip=self.clip_denoised)
-        grid = self.timesteps(model).tolist()
+        denoiser = HatDenoiser(denoiser, sigmas, y, clip=self.clip_denoised)
+        grid = self.timesteps(sigmas).tolist()
         x = x_T.float() * math.sqrt(1 + denoiser.sigma(grid[0]) ** 2)  # x_hat = x_t / sqrt(alpha_bar_t)
         gamma = min(self.churn / self.steps, math.sqrt(2) - 1)
         for i, t in enumerate(grid):

@@ -24,8 +24,8 @@ import math
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.samplers.base import GuidedModel
-from ddpm.diffusion.samplers.edm import Denoiser, check, discrete_sigmas, karras_sigmas, round_sigma
+from ddpm.diffusion.denoiser import Denoiser
+from ddpm.diffusion.samplers.edm import HatDenoiser, check, karras_sigmas, round_sigma
 
 
 class RestartSampler:
@@ -46,7 +46,7 @@ class RestartSampler:
         check("steps", steps, steps >= 2, ">= 2 (restarts need a grid sigma between sigma_max and 0)")
         check("restart_steps", restart_steps, restart_steps >= 1, ">= 1")
         check("restarts", restarts, restarts >= 0, ">= 0 (0 = plain Heun)")
-        check("t_min", t_min, 0 < t_min < t_max, f"> 0 and < sampler.t_max={t_max}")
+        check("t_min", t_min, 0 < t_min < t_max, f"> 0 and < t_max={t_max}")
         check("s_noise", s_noise, s_noise >= 0, ">= 0")
         check("rho", rho, rho > 0, "> 0")
         self.steps, self.restart_steps, self.restarts = steps, restart_steps, restarts
@@ -57,31 +57,32 @@ class RestartSampler:
         """Network calls per batch: the main pass (2N - 1) and 2 per Heun step of each restart."""
         return 2 * self.steps - 1 + 2 * self.restarts * self.restart_steps
 
-    def timesteps(self, model: GuidedModel) -> tuple[Tensor, int, Tensor]:
+    def timesteps(self, sigmas: Tensor) -> tuple[Tensor, int, Tensor]:
         """(main grid (N,) int64, index i of the grid sigma nearest t_min, restart grid (restart_steps + 1,) int64).
 
         The restart grid is the Karras grid from t_max down to the main grid's sigma at index i, rounded; its
         first sigma must lie above that one.
         """
-        sigmas = discrete_sigmas(model.alpha_bar)
+        sigmas = sigmas.double()  # the model's (T,) levels
         grid = round_sigma(karras_sigmas(float(sigmas[0]), float(sigmas[-1]), self.steps, self.rho), sigmas)
         i = 1 + int((sigmas[grid[1:]] - self.t_min).abs().argmin())  # the grid sigma nearest t_min, after sigma_0
         low = float(sigmas[grid[i]])
         restart = round_sigma(karras_sigmas(low, self.t_max, self.restart_steps + 1, self.rho), sigmas)
         if restart[0] <= grid[i]:
             raise ValueError(
-                f"sampler.t_max={self.t_max} rounds to a sigma not above the restart start {low:.4g} (the grid "
-                f"sigma nearest sampler.t_min={self.t_min}): no interval to restart in; raise sampler.t_max"
+                f"t_max={self.t_max} rounds to a sigma not above the restart start {low:.4g} (the grid "
+                f"sigma nearest t_min={self.t_min}): no interval to restart in; raise t_max"
             )
         return grid, i, restart
 
     @torch.no_grad()
     def sample(
-        self, model: GuidedModel, x_T: Tensor, y: Tensor | None, *, generator: torch.Generator | None = None
-    ) -> Tensor:
+        self, denoiser: Denoiser, x_T: Tensor, sigmas: Tensor, y: Tensor | None, *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Run the main Heun pass with K restarts from x_T (B, C, H, W) ~ N(0, I); returns x0 in [-1, 1]."""
-        denoiser = Denoiser(model, y, clip=self.clip_denoised)
-        grid, restart_at, restart = self.timesteps(model)
+        denoiser = HatDenoiser(denoiser, sigmas, y, clip=self.clip_denoised)
+        grid, restart_at, restart = self.timesteps(sigmas)
         grid, restart = grid.tolist(), restart.tolist()
         x = x_T.float() * math.sqrt(1 + denoiser.sigma(grid[0]) ** 2)  # x_hat = x_t / sqrt(alpha_bar_t)
         jump = math.sqrt(denoiser.sigma(restart[0]) ** 2 - denoiser.sigma(restart[-1]) ** 2) * self.s_noise

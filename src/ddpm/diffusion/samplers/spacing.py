@@ -70,13 +70,12 @@ def _checked(timesteps: Tensor, num_timesteps: int, spacing: str, steps: int) ->
     timesteps = timesteps.to(torch.int64)
     if timesteps.max() > num_timesteps - 1 or timesteps.min() < 0:
         raise ValueError(
-            f"sampler.spacing={spacing!r} with sampler.steps={steps} gives timesteps {timesteps.tolist()[:3]}..., "
-            f"outside the model's 0..{num_timesteps - 1}; lower sampler.steps_offset or sampler.steps"
+            f"spacing={spacing!r} with steps={steps} gives timesteps {timesteps.tolist()[:3]}..., "
+            f"outside the model's 0..{num_timesteps - 1}; lower steps_offset or steps"
         )
     if len(timesteps) > 1 and not bool((timesteps[:-1] > timesteps[1:]).all()):
         raise ValueError(
-            f"sampler.spacing={spacing!r} repeats timesteps with sampler.steps={steps} and T={num_timesteps}; "
-            "use fewer sampler.steps"
+            f"spacing={spacing!r} repeats timesteps with steps={steps} and T={num_timesteps}; use fewer steps"
         )
     return timesteps
 
@@ -85,8 +84,7 @@ def _validate(spacing: str, num_timesteps: int, steps: int) -> None:
     validate_spacing(spacing, steps, 0)
     if not 1 <= steps <= num_timesteps:
         raise ValueError(
-            f"sampler.steps={steps} must be between 1 and the model's T={num_timesteps}; "
-            f"set sampler.steps to at most {num_timesteps}"
+            f"steps={steps} must be between 1 and the model's T={num_timesteps}; set steps to at most {num_timesteps}"
         )
 
 
@@ -96,7 +94,7 @@ def step_timesteps(spacing: Spacing, num_timesteps: int, steps: int, *, steps_of
     steps_offset shifts `leading` only (Stable Diffusion uses 1); the other spacings ignore it, as in diffusers.
     """
     if spacing in SCHEDULE_SPACINGS:
-        raise ValueError(f"sampler.spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
+        raise ValueError(f"spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
     _validate(spacing, num_timesteps, steps)
     return _checked(SPACINGS[spacing](num_timesteps, steps, steps_offset), num_timesteps, spacing, steps)
 
@@ -110,7 +108,7 @@ def interval_timesteps(
     _validate(spacing, num_timesteps, steps)
     if spacing in SCHEDULE_SPACINGS:
         if alpha_bar is None or len(alpha_bar) != num_timesteps:
-            raise ValueError(f"sampler.spacing={spacing} follows the schedule: pass the model's alpha_bar (T,)")
+            raise ValueError(f"spacing={spacing} follows the schedule: pass the model's alpha_bar (T,)")
         return _checked(schedule_grid(spacing, alpha_bar.double(), steps), num_timesteps, spacing, steps)
     if spacing == "trailing":
         grid = _trailing(num_timesteps, steps, steps_offset)
@@ -141,10 +139,8 @@ def schedule_grid(spacing: str, alpha_bar: Tensor, steps: int) -> Tensor:
 def validate_spacing(spacing: str, steps: int, steps_offset: int) -> None:
     """Constructor-time checks that need no T: the spacing name, steps >= 1 and steps_offset >= 0."""
     if spacing not in SPACINGS and spacing not in SCHEDULE_SPACINGS:
-        raise ValueError(
-            f"sampler.spacing={spacing!r} is unknown; use one of {[*sorted(SPACINGS), *SCHEDULE_SPACINGS]}"
-        )
+        raise ValueError(f"spacing={spacing!r} is unknown; use one of {[*sorted(SPACINGS), *SCHEDULE_SPACINGS]}")
     if steps < 1:
-        raise ValueError(f"sampler.steps={steps} must be >= 1")
+        raise ValueError(f"steps={steps} must be >= 1")
     if steps_offset < 0:
-        raise ValueError(f"sampler.steps_offset={steps_offset} must be >= 0 (1 for Stable Diffusion's leading)")
+        raise ValueError(f"steps_offset={steps_offset} must be >= 0 (1 for Stable Diffusion's leading)")
