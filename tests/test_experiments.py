@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import CONF, compose, sample, train
-from omegaconf import OmegaConf
+from helpers import CONF, compose, run, sample, train
+from omegaconf import DictConfig, OmegaConf
 
 from ddpm.precision import resolve_precision
 
 pytestmark = pytest.mark.slow
 
-EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+VAE_RUNS = {"mnist_vae"}  # train a VAE, not a diffusion model (no ema.pt to sample): tests/test_vae_training.py
+EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml") if path.stem not in VAE_RUNS)
 
 # Sizes only: 2 steps of 8 images (val and a checkpoint at step 2), a 4-image grid of 4 sampler steps.
 SIZE = [
@@ -80,6 +81,28 @@ def cifar_batches(images_per_batch: int = 24) -> dict[str, tuple[np.ndarray, lis
     return batches
 
 
+# The pixels a latent experiment's VAE encodes (channels, side), by experiment: its latents are model.in_channels x
+# model.image_size, so the VAE downsamples side / model.image_size times.
+LATENT_PIXELS = {"mnist_latent": (1, 32), "imagenet256_latent": (3, 256)}
+
+
+def encoded_root(experiment: str, model: DictConfig, folder: Path) -> str:
+    """64 of scikit-learn's digits encoded (python -m ddpm.data.encode) by a tiny random AutoencoderKL whose latents
+    have the experiment's shape: the folder data=latents reads."""
+    from ddpm.models.vae import VAE
+
+    channels, side = LATENT_PIXELS[experiment]
+    levels = int(math.log2(side // model.image_size)) + 1
+    torch.manual_seed(0)
+    VAE.from_config(dict(in_channels=channels, out_channels=channels, down_block_types=["DownEncoderBlock2D"] * levels,
+                         up_block_types=["UpDecoderBlock2D"] * levels, block_out_channels=[8] * levels,
+                         layers_per_block=1, latent_channels=model.in_channels, norm_num_groups=4, sample_size=side)
+                    ).autoencoder.save_pretrained(folder / "vae")  # fmt: skip
+    run("python", "-m", "ddpm.data.encode", f"vae={folder / 'vae'}", f"out={folder / 'latents'}", "data=digits",
+        f"data.image_size={side}", "data.limit=64")  # fmt: skip
+    return str(folder / "latents")
+
+
 def data_root(source: str, request: pytest.FixtureRequest, folder: Path) -> str | None:
     """Write (or find) a tiny dataset in the on-disk format `source` reads; its data.root (None: no root)."""
     if source == "DigitsSource":
@@ -105,6 +128,7 @@ class Run:
     conditional: bool
     precision: str  # the experiment's trainer.precision, resolved for this CPU (auto -> bf16-mixed or 32-true)
     config: dict  # the experiment's own optim, ema and diffusion settings, as composed
+    pixels: tuple[int, int]  # what sample.py writes: (side, channels); a latent model's decoded by its VAE
 
 
 def train_experiment(experiment: str, request: pytest.FixtureRequest, folder: Path) -> Run:
@@ -114,7 +138,10 @@ def train_experiment(experiment: str, request: pytest.FixtureRequest, folder: Pa
     overrides = [f"experiment={experiment}", *SIZE, *SHRINK_MODEL.get(choices.model, [])]
     if trainer.accelerator in ("gpu", "cuda") or trainer.strategy != "auto" or trainer.devices not in (1, "auto"):
         overrides += NO_GPU
-    root = data_root(composed.data.source._target_.rsplit(".", 1)[-1], request, folder / "data")
+    if composed.data._target_ == "ddpm.data.latents.LatentDataModule":
+        root = encoded_root(experiment, composed.model, folder / "data")
+    else:
+        root = data_root(composed.data.source._target_.rsplit(".", 1)[-1], request, folder / "data")
     if root is not None:
         overrides.append(f"data.root={root}")
     run_dir = folder / "run"
@@ -128,6 +155,9 @@ def train_experiment(experiment: str, request: pytest.FixtureRequest, folder: Pa
         conditional=composed.model.num_classes is not None,
         precision=resolve_precision(trainer.precision, "cpu"),
         config={key: OmegaConf.to_container(composed[key]) for key in ("optim", "ema", "diffusion")},
+        pixels=LATENT_PIXELS[experiment][::-1]
+        if experiment in LATENT_PIXELS
+        else (composed.model.image_size, composed.model.in_channels),
     )
 
 
@@ -205,7 +235,7 @@ def test_samples_from_ema_export(trained: Run, tmp_path: Path) -> None:
     with np.load(out / "samples.npz") as saved:
         images, labels = saved["images"], saved["labels"]
     assert images.dtype == np.uint8
-    assert images.shape == (4, trained.image_size, trained.image_size, trained.channels)
+    assert images.shape == (4, trained.pixels[0], trained.pixels[0], trained.pixels[1])
     assert labels.tolist() == ([0, 1, 2, 3] if trained.conditional else [-1] * 4)
     assert (out / "grid.png").is_file()
 

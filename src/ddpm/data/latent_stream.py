@@ -1,0 +1,85 @@
+"""Streaming a VAE's latent shards (ddpm.data.latent_shards) for `data=latents data.stream=true`.
+
+The shards are split over (rank, DataLoader worker) slots as WebDataModule splits pixel shards (ddpm.data.shards'
+`assign_shards`: slots that share a shard keep every k-th of its images), each slot keeps the images of one split
+(the train/val split of ddpm.data.latents), and training passes over the slot's shards for ever, each pass in a fresh
+shard order through its own shuffle buffer, `batches_per_epoch` batches per rank and epoch.
+"""
+
+import random
+from collections.abc import Iterator
+
+from torch import Tensor
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ddpm.data.latent_shards import iter_samples
+from ddpm.data.shards import assign_shards
+from ddpm.data.webdataset import batches, shuffle_buffer
+
+Batch = tuple[Tensor, Tensor]  # moments (B, 2c, h, w) float16 (z_d float32 (B, c, h, w) on the device), labels (B,)
+
+
+class LatentStream(IterableDataset[Batch]):
+    """Batches of moments and labels read from the shards of this (rank, worker) slot, keeping the images of one
+    split; training: `batches_per_epoch` per rank from endless passes (None: one ordered pass, validation)."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        *,
+        keep: Tensor,  # (N,) bool: the images of this split
+        latent_shape: list[int],  # (c, h, w)
+        batch_size: int,
+        batches_per_epoch: int | None,  # per rank; None: one ordered pass (validation)
+        shuffle_buffer: int,  # samples held for shuffling (training)
+        seed: int,  # seed of the shard order and the shuffle buffer
+        rank: int,
+        world_size: int,
+    ) -> None:
+        super().__init__()
+        self.paths, self.keep, self.latent_shape, self.batch_size = paths, keep, latent_shape, batch_size
+        self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
+        self.rank, self.world_size, self.epoch = rank, world_size, 0
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is None:
+            raise TypeError("a validation stream has no length known in advance")
+        return self.batches_per_epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        slot = self.rank * workers + worker
+        paths, offset, stride = assign_shards(self.paths, slot, self.world_size * workers)
+        rng = random.Random(f"{self.seed}-{self.epoch}-{slot}")
+        self.epoch += 1
+        if self.batches_per_epoch is None:  # validation: one ordered pass
+            yield from batches(self._pass(paths, offset, stride), self.batch_size, count=None)
+            return
+        count = self.batches_per_epoch // workers + int(worker < self.batches_per_epoch % workers)
+        yield from batches(self._passes(paths, offset, stride, rng), self.batch_size, count=count)
+
+    def _passes(self, paths: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[Batch]:
+        """Endless passes over this slot's images, each in a fresh shard order through its own shuffle buffer
+        (emptied at the pass's end, so one slot's epoch of its images' size holds each of them once)."""
+        while True:
+            order = rng.sample(paths, len(paths))
+            produced = 0
+            items = self._pass(order, offset, stride)
+            for item in shuffle_buffer(items, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else items:
+                produced += 1
+                yield item
+            if produced == 0:
+                raise ValueError(f"the shards {order} hold no training images for this process and worker; lower "
+                                 "data.num_workers or encode with a smaller samples_per_shard")  # fmt: skip
+
+    def _pass(self, paths: list[str], offset: int, stride: int) -> Iterator[Batch]:
+        """The slot's images of the split in `paths`, in order: every stride-th, from offset (shared shards)."""
+        for path in paths:
+            kept = (item for item in iter_samples(path, self.latent_shape) if self._kept(item[0]))
+            for i, (_, moments, label) in enumerate(kept):
+                if i % stride == offset:
+                    yield moments, label
+
+    def _kept(self, index: int) -> bool:
+        return index < len(self.keep) and bool(self.keep[index])

@@ -1,0 +1,294 @@
+"""Encoding a data set into a VAE's latents (`python -m ddpm.data.encode`) and training data of them
+(`data=latents`): a tiny random diffusers AutoencoderKL saved to a folder, scikit-learn's digits at 16x16."""
+
+import io
+import multiprocessing
+import os
+import shutil
+import signal
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ddpm.data.encode import main as encode
+from ddpm.data.latent_shards import HEADER, read_header
+from ddpm.data.latents import LatentDataModule, latent_record
+from ddpm.data.make_shards import write_shards
+from ddpm.data.sources import DigitsSource
+from ddpm.models.vae import VAE, folder_identity
+
+pytest.importorskip("diffusers")
+
+TINY_VAE = dict(in_channels=1, out_channels=1, down_block_types=["DownEncoderBlock2D"] * 2,
+                up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1,
+                latent_channels=2, norm_num_groups=4, sample_size=16)  # fmt: skip  # 1x16x16 -> 2x8x8
+COUNT, PER_SHARD = 200, 64  # digits encoded by the shared folder: 4 shards, the last one partial
+
+
+def save_vae(folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    VAE.from_config(TINY_VAE).autoencoder.save_pretrained(folder)
+    return folder
+
+
+def encode_args(vae: Path, out: Path, *extra: str) -> list[str]:
+    return [f"vae={vae}", f"out={out}", "data.image_size=16", f"data.limit={COUNT}",
+            f"samples_per_shard={PER_SHARD}", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_vae(tmp_path_factory.mktemp("vae") / "vae", seed=0)
+
+
+@pytest.fixture(scope="module")
+def encoded(vae: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first COUNT digits encoded with `vae` (read-only: tests that change it work on a copy)."""
+    out = tmp_path_factory.mktemp("latents") / "digits"
+    encode(encode_args(vae, out))
+    return out
+
+
+def digits(count: int = COUNT) -> tuple[torch.Tensor, torch.Tensor]:
+    data = DigitsSource().load(image_size=16, channels=1)
+    return data.images[:count], data.labels[:count]
+
+
+def test_encode_stores_the_vae_posterior_and_says_what_it_holds(vae: Path, encoded: Path) -> None:
+    meta = LatentDataModule(root=str(encoded)).meta
+    assert meta["count"] == COUNT and meta["shards"] == [f"latents-{i:06d}.tar" for i in range(4)]
+    assert (meta["latent_shape"], meta["image_shape"], meta["num_classes"]) == ([2, 8, 8], [1, 16, 16], 10)
+    assert meta["vae"] == str(vae.resolve()) and meta["vae_identity"] == folder_identity(vae)
+    assert (meta["scaling_factor"], meta["shift_factor"]) == (0.18215, 0.0)  # AutoencoderKL's defaults
+    assert meta["data"]["source"]["_target_"] == "ddpm.data.sources.DigitsSource" and meta["data"]["limit"] == COUNT
+    with tarfile.open(encoded / meta["shards"][3]) as tar:  # a shard alone says what it holds
+        names = tar.getnames()
+    assert names[:4] == [HEADER, "00000192.mean.npy", "00000192.logvar.npy", "00000192.cls"] and len(names) == 25
+    assert read_header(encoded / meta["shards"][3]) == {k: v for k, v in meta.items() if k not in ("count", "shards")
+                                                        } | {"first": 192, "samples": 8}  # fmt: skip
+
+    dm = LatentDataModule(root=str(encoded), val_size=1)
+    dm.setup("fit")
+    images, labels = digits()
+    mean, logvar = VAE.load(vae).encode(images)
+    moments = dm.train_set.images  # (N, 2c, h, w): every latent, RAM-preloaded
+    assert moments.dtype == torch.float16 and moments.shape == (COUNT, 4, 8, 8)
+    torch.testing.assert_close(moments.float(), torch.cat([mean, logvar], 1), atol=2e-3, rtol=1e-3)  # float16
+    assert torch.equal(dm.labels, labels)
+    assert latent_record(dm.meta["data"]) is None and latent_record({"_target_": "x.Y"}) is None
+    record = latent_record({"_target_": "ddpm.data.latents.LatentDataModule", "root": str(encoded)})
+    assert record == dm.latent == {k: meta[k] for k in ("vae", "vae_identity", "scaling_factor", "shift_factor",
+                                                        "latent_shape", "image_shape")}  # fmt: skip
+    assert (dm.image_size, dm.channels, type(dm.source)) == (16, 1, DigitsSource)  # pixels, for FID
+
+
+def test_a_rerun_skips_whole_shards_and_rewrites_a_torn_one(
+    vae: Path, encoded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = shutil.copytree(encoded, tmp_path / "out")
+    whole = {p.name: p.read_bytes() for p in out.iterdir()}
+    torn = out / "latents-000001.tar"
+    torn.write_bytes(whole[torn.name][: len(whole[torn.name]) // 2])
+    (out / "meta.json").write_text("{")  # damaged (an interrupted encode leaves none: it is written last)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("latents-*.tar") if p != torn}
+    encode(encode_args(vae, out))
+    printed = capsys.readouterr()
+    assert "encoded 64 images" in printed.out and f"{COUNT - 64} were encoded already" in printed.out
+    assert f"rewriting {torn}" in printed.err and "torn" in printed.err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == whole  # the torn shard rewritten, meta.json back
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("latents-*.tar") if p != torn} == stamps  # untouched
+
+
+def test_an_out_of_another_vae_or_data_set_is_refused(vae: Path, encoded: Path, tmp_path: Path) -> None:
+    other = save_vae(tmp_path / "other_vae", seed=1)
+    out = shutil.copytree(encoded, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="holds latents of the VAE") as error:
+        encode(encode_args(other, out))
+    for name in (str(vae.resolve()), folder_identity(vae), str(other.resolve()), folder_identity(other)):
+        assert name in str(error.value)
+    (out / "meta.json").unlink()  # the shards alone say it too
+    with pytest.raises(ValueError, match=r"holds latents of the data .*'limit': 200.*'limit': 100"):
+        encode([*encode_args(vae, out), "data.limit=100"])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "meta.json"} == {
+        k: v for k, v in before.items() if k != "meta.json"}  # fmt: skip
+
+
+def test_encode_settings_are_refused_naming_the_key(vae: Path, tmp_path: Path) -> None:
+    out = f"out={tmp_path / 'out'}"
+    refusals = {
+        "vae is not set": [out],
+        r"unknown key\(s\) \['samples'\]": [f"vae={vae}", out, "+samples=3"],
+        "samples_per_shard=0 must be an integer >= 1": [f"vae={vae}", out, "samples_per_shard=0"],
+        "device='tpu' must be auto, cpu or cuda": [f"vae={vae}", out, "device=tpu"],
+        "data.channels=3 but the VAE .* encodes 1-channel images; set data.channels=1": [f"vae={vae}", out,
+                                                                                          "data.channels=3"],
+        "data.image_size: .*15 is not a multiple of the VAE's downsampling factor 2": [f"vae={vae}", out,
+                                                                                       "data.image_size=15"],
+        "data=latents is already encoded": [f"vae={vae}", out, "data=latents", "data.root=x"],
+    }  # fmt: skip
+    for message, args in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            encode(args)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+def encode_killed_after(shards: int, args: list[str]) -> None:
+    """A forked process's target: the encode command in a process group of its own, whose writes SIGKILL the whole
+    group (this process and its workers) once `shards` shards are whole, halfway into the next one's temporary
+    file: where a kill at that instant leaves atomic_write (ddpm.atomic)."""
+    from ddpm.data import latent_shards
+
+    write = latent_shards.atomic_write_bytes
+
+    def write_until_killed(path: Path, data: bytes) -> Path:
+        if len(list(path.parent.glob("latents-*.tar"))) >= shards:
+            path.with_name(f".{path.name}.tmp-{os.getpid()}").write_bytes(data[: len(data) // 2])
+            os.killpg(0, signal.SIGKILL)
+        return write(path, data)
+
+    os.setsid()
+    torch.set_num_threads(1)
+    latent_shards.atomic_write_bytes = write_until_killed  # this process and the workers it forks
+    encode(args)
+
+
+@pytest.mark.slow
+def test_an_interrupted_encode_is_finished_by_the_same_command(vae: Path, tmp_path: Path) -> None:
+    """An encode with devices=2 worker processes, killed mid-run (SIGKILL to its whole process group); the same
+    command, run again, writes the missing shards; the folder then equals an uninterrupted single-process
+    encode's, byte for byte. The killed encode runs in a forked process: no second start-up of torch and diffusers."""
+    args = [f"vae={vae}", "data.image_size=16", "data.limit=400", "samples_per_shard=8", "batch_size=1"]
+    out = tmp_path / "killed"
+    process = multiprocessing.get_context("fork").Process(
+        target=encode_killed_after, args=(4, [*args, f"out={out}", "devices=2"])
+    )
+    process.start()
+    process.join(timeout=300)
+    written = sorted(p.name for p in out.glob("latents-*.tar"))
+    assert process.exitcode == -signal.SIGKILL and 4 <= len(written) < 50, (process.exitcode, written)
+    assert list(out.glob(".latents-*.tmp-*")) and not (out / "meta.json").exists()  # meta.json: written last
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker of the killed run: the same arithmetic, the same bytes
+    try:
+        encode([*args, f"out={out}"])
+        encode([*args, f"out={tmp_path / 'whole'}"])
+    finally:
+        torch.set_num_threads(threads)
+    files = {p.name: p.read_bytes() for p in out.iterdir()}  # the killed write's temporary file is gone
+    assert len(files) == 51 and files == {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+
+
+def test_ram_and_streamed_latents_give_the_same_samples(encoded: Path) -> None:
+    ram = LatentDataModule(root=str(encoded), batch_size=19, val_size=0.05)
+    stream = LatentDataModule(root=str(encoded), batch_size=19, val_size=0.05, stream=True, shuffle_buffer=50)
+    ram.setup("fit")
+    stream.setup("fit")
+
+    def rows(loader) -> tuple[torch.Tensor, torch.Tensor]:
+        batches = list(loader)
+        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+    for split in ("val_dataloader", "train_dataloader"):
+        (a, a_labels), (b, b_labels) = rows(getattr(ram, split)()), rows(getattr(stream, split)())
+        assert len(a) == {"val_dataloader": 10, "train_dataloader": 190}[split]
+        if split == "val_dataloader":  # one ordered pass: the same order
+            assert torch.equal(a, b) and torch.equal(a_labels, b_labels)
+        key = lambda m, y: sorted(zip(m.flatten(1).tolist(), y.tolist(), strict=True))  # noqa: E731
+        assert key(a, a_labels) == key(b, b_labels)  # the same images, each once per epoch
+    workers = LatentDataModule(root=str(encoded), batch_size=4, val_size=0.05, stream=True, num_workers=2)
+    workers.setup("fit")  # two worker slots split the shards: still every validation image once
+    assert key(*rows(workers.val_dataloader())) == key(*rows(ram.val_dataloader()))
+
+
+def test_batches_are_posterior_samples_on_the_device(encoded: Path) -> None:
+    dm = LatentDataModule(root=str(encoded), batch_size=8)
+    dm.setup("fit")
+    moments, labels = next(iter(dm.train_dataloader()))
+    mean, logvar = moments.float().chunk(2, dim=1)
+    vae = SimpleNamespace(scale=dm.meta["scaling_factor"], shift=dm.meta["shift_factor"])
+    torch.manual_seed(3)
+    z, y = dm.on_after_batch_transfer((moments, labels), 0)  # no trainer: training
+    torch.manual_seed(3)
+    expected = VAE.to_diffusion(vae, mean, logvar, torch.randn_like(mean))  # the VAE's own formula
+    assert z.dtype == torch.float32 and z.shape == (8, 2, 8, 8) and y is labels
+    torch.testing.assert_close(z, expected)
+    assert not torch.allclose(z, VAE.to_diffusion(vae, mean, logvar))  # a sample, not the mean
+    dm.trainer = SimpleNamespace(training=False)  # validation: the posterior mean, noise-free
+    torch.testing.assert_close(dm.on_after_batch_transfer((moments, labels), 0)[0], VAE.to_diffusion(vae, mean, logvar))
+
+
+def test_a_model_of_another_shape_is_refused_naming_both(encoded: Path) -> None:
+    dm = LatentDataModule(root=str(encoded))
+    dm.check_model(in_channels=2, image_size=8)
+    for in_channels, image_size in ((1, 16), (2, 16), (4, 8)):
+        with pytest.raises(ValueError, match="are 2x8x8") as error:
+            dm.check_model(in_channels=in_channels, image_size=image_size)
+        message = str(error.value)
+        assert f"model.in_channels={in_channels} and model.image_size={image_size}" in message
+        assert "set model.in_channels=2 model.image_size=8" in message
+    with pytest.raises(FileNotFoundError, match=r"data.root=.* has no meta.json: not an encoded folder"):
+        LatentDataModule(root=str(encoded.parent / "nothing"))
+
+
+def test_labels_are_checked_and_bad_images_refused_by_name(vae: Path, encoded: Path, tmp_path: Path) -> None:
+    dm = LatentDataModule(root=str(encoded))
+    dm.setup("fit")
+    dm.check_labels(10)
+    dm.check_labels(None)
+    with pytest.raises(ValueError, match=r"have labels outside 0..4.*span \[0, 9\].*set model.num_classes=10"):
+        dm.check_labels(5)
+    streamed = LatentDataModule(root=str(encoded), stream=True)
+    streamed.setup("fit")
+    with pytest.raises(ValueError, match="hold 10 classes"):
+        streamed.check_labels(5)
+
+    images, _ = digits(8)  # an unlabelled image folder: labels -1, refused for a conditional model
+    root = tmp_path / "folder"
+    write_shards(images, torch.zeros(8), tmp_path / "pngs", samples_per_shard=8)
+    (root / "a").mkdir(parents=True)
+    with tarfile.open(tmp_path / "pngs" / "shard-000000.tar") as tar:
+        tar.extractall(root / "a", filter="data")
+    for label in (root / "a").glob("*.cls"):
+        label.unlink()
+    folder = ["data=image_folder", f"data.root={root}", "data.source.conditional=false"]
+    encode([f"vae={vae}", f"out={tmp_path / 'unlabelled'}", "data.image_size=16", *folder])
+    unlabelled = LatentDataModule(root=str(tmp_path / "unlabelled"), val_size=1, batch_size=4)
+    unlabelled.setup("fit")
+    assert unlabelled.num_classes is None and unlabelled.labels.tolist() == [-1] * 8
+    unlabelled.check_labels(None)
+    with pytest.raises(ValueError, match="has no labels"):
+        unlabelled.check_labels(10)
+
+    (root / "a" / "00000003.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=f"{root / 'a' / '00000003.png'} is not a readable image"):
+        encode([f"vae={vae}", f"out={tmp_path / 'bad'}", "data.image_size=16", *folder])
+
+
+@pytest.mark.slow
+def test_streamed_pixel_shards_encode_as_their_source(vae: Path, encoded: Path, tmp_path: Path) -> None:
+    images, labels = digits()
+    paths = write_shards(images, labels, tmp_path / "pngs", samples_per_shard=50)
+    urls = f"data.urls=[{','.join(str(p) for p in paths)}]"
+    out = tmp_path / "from_shards"
+    encode([f"vae={vae}", f"out={out}", "data=webdataset", urls, "data.image_size=16",
+            f"samples_per_shard={PER_SHARD}", "data.num_classes=10"])  # fmt: skip
+    from_shards, from_source = LatentDataModule(root=str(out)), LatentDataModule(root=str(encoded))
+    for dm in (from_shards, from_source):
+        dm.setup("fit")
+    assert from_shards.meta["count"] == COUNT and from_shards.source is None  # no pixel source to rebuild
+    torch.testing.assert_close(from_shards.train_set.images, from_source.train_set.images)
+    assert torch.equal(from_shards.labels, from_source.labels)
+
+    with tarfile.open(paths[1], "a") as tar:  # a sample whose image is damaged: refused naming shard and key
+        info = tarfile.TarInfo("99999999.png")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+        info = tarfile.TarInfo("99999999.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(ValueError, match=rf"shard {paths[1]}, sample '99999999': image 99999999.png is not a readable"):
+        encode([f"vae={vae}", f"out={tmp_path / 'bad'}", "data=webdataset", urls, "data.image_size=16"])
