@@ -1,19 +1,14 @@
-"""The one framework of the benchmark scripts: arguments, device, interleaved repeats, statistics, provenance, JSON.
+"""The benchmark library: arguments, device, interleaved repeats, statistics, timing, tables, provenance, JSON, and
+the project's objects as sample.py and train.py build them (sampler presets from conf/sampler/, draws, configs).
 
-Every script under benchmarks/ builds its parser, then `run = start(__file__, parser, argv, rows=ROWS)`:
-- arguments every script shares (`add_arguments`): --rows, --repeats, --device, --threads, --out, --smoke,
-  --allow-dirty; `parse_rows` is the one --rows (and --configs) parser;
-- the device: `resolve_device` of ddpm.sampling (auto: cuda if there is one, else cpu), as sample.py decides;
-- the tree: a result from a tree with changes (`git status --porcelain`: tracked files, and untracked files
-  outside ignored paths; changes under benchmarks/results/ are outputs, listed apart) is refused before anything
-  is measured, and again at writing if the tree changed meanwhile, unless --allow-dirty (recorded);
-- --smoke: the script's SMOKE sizes (seconds), one repeat allowed, --allow-dirty implied, no CUDA needed; the JSON
-  is written only where --out says.
-Rows are measured by `run_interleaved` (ABC CBA ABC ...), summarised by `stats` (the true median: for an even
-count the mean of the two middle values; min, max) and compared with `paired_ratios` (each repeat's figure over
-the baseline row's in the same repeat: the rows of one repeat saw the same state of the machine). `run.write`
-writes the JSON with the provenance: commit, dirty flag, sha256 of the script and of this file, CPU model and
-vector flags, native bf16, threads, torch version, GPU name.
+Every script builds its parser, then `run = start(__file__, parser, argv, rows=ROWS, smoke=SMOKE)`: the shared
+options (`add_arguments`: --rows, --repeats, --device, --threads, --out, --smoke, --allow-dirty), the device as
+sample.py resolves it, and a tree with uncommitted changes refused before anything is measured (and again at
+writing) unless --allow-dirty, which the JSON records. --smoke: the script's SMOKE sizes, one repeat, no CUDA
+needed, JSON only where --out says. Rows run interleaved (ABC CBA ABC ...), `stats` gives the true median (an even
+count: the mean of the middle two), min and max, `paired_ratios` each repeat's figure over the baseline row's in the
+same repeat. `run.write` adds the provenance: commit, dirty flag, sha256 of the script and of this file, CPU model
+and flags, threads, torch, GPU.
 """
 
 import argparse
@@ -25,6 +20,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +39,7 @@ CPU_FLAGS = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", 
 MIN_REPEATS = 2  # below this a figure has no spread; 1 only under --smoke
 T = TypeVar("T")
 
-
-# ----------------------------------------------------------------------------------------------------- statistics
+# ------------------------------------------------------------------------------------ statistics, timing, tables
 
 
 def stats(values: Iterable[float]) -> dict[str, Any]:
@@ -64,9 +59,8 @@ def interleaved(names: Sequence[str], repeats: int) -> list[tuple[int, str]]:
     return [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else list(reversed(names)))]
 
 
-def run_interleaved(
-    names: Sequence[str], repeats: int, measure: Callable[[str, int], T], describe: Callable[[T], str] = str
-) -> dict[str, list[T]]:
+def run_interleaved(names: Sequence[str], repeats: int, measure: Callable[[str, int], T],
+                    describe: Callable[[T], str] = str) -> dict[str, list[T]]:  # fmt: skip
     """measure(row, repeat) for every row and repeat, interleaved; {row: [result per repeat]}."""
     runs: dict[str, list[T]] = {name: [] for name in names}
     for repeat, name in interleaved(names, repeats):
@@ -75,14 +69,41 @@ def run_interleaved(
     return runs
 
 
-def figure(s: Mapping[str, Any], spec: str = ".2f") -> str:
-    """'median [min-max]' of a stats() dict."""
-    return f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
+def figure(s: Mapping[str, Any] | None, spec: str = ".2f") -> str:
+    """'median [min-max]' of a stats() dict ('n/a' for None)."""
+    return "n/a" if s is None else f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
+
+
+def images_per_s(row: Mapping[str, Any], spec: str = ".2f") -> str:
+    """figure() of a row's images_per_s, images_per_s_min and images_per_s_max (as the JSON rows keep them)."""
+    return figure({"median": row["images_per_s"], "min": row["images_per_s_min"], "max": row["images_per_s_max"]}, spec)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """fn()'s result and its seconds, the device synchronised before and after (the one timer of the scripts)."""
+    sync(device)
+    began = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - began
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table (the one table printer): None prints as n/a, a float with 3 significant digits (from 1,000
+    on: whole, with commas)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "n/a" if v is None else str(v)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
 
 # -------------------------------------------------------------------------------------------------------- arguments
@@ -97,40 +118,21 @@ def parse_rows(text: str, known: Iterable[str], *, flag: str = "--rows") -> list
     return names
 
 
-def add_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    rows: Sequence[str] | None = None,
-    default_rows: Sequence[str] | None = None,
-    repeats: int | None = 3,
-    device: str = "auto",
-    out: bool = True,
-) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, rows: Sequence[str] | None = None,
+                  default_rows: Sequence[str] | None = None, repeats: int | None = 3, device: str = "auto",
+                  out: bool = True) -> None:  # fmt: skip
     """The options every benchmark shares (rows and repeats where the script has rows)."""
+    add = parser.add_argument
     if rows is not None:
-        parser.add_argument(
-            "--rows", default=",".join(default_rows or rows), help=f"comma-separated: {', '.join(rows)}"
-        )
+        add("--rows", default=",".join(default_rows or rows), help=f"comma-separated: {', '.join(rows)}")
     if repeats is not None:
-        parser.add_argument(
-            "--repeats",
-            type=int,
-            default=repeats,
-            help=f"runs of every row, interleaved (ABC CBA ...); >= {MIN_REPEATS} (1 only with --smoke)",
-        )
-    parser.add_argument("--device", default=device, help="auto (cuda if there is one, else cpu), cpu, cuda, cuda:1 ...")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+        add("--repeats", type=int, default=repeats, help=f"runs of every row, interleaved; >= {MIN_REPEATS}")
+    add("--device", default=device, help="auto (cuda if there is one, else cpu), cpu, cuda, cuda:1 ...")
+    add("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     if out:
-        parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<name>.json)")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="seconds-long run of every code path (tiny sizes, 1 repeat); implies --allow-dirty; "
-        "writes JSON only to --out",
-    )
-    parser.add_argument(
-        "--allow-dirty", action="store_true", help="measure a tree with uncommitted changes (recorded in the JSON)"
-    )
+        add("--out", default=None, help="JSON path (default: benchmarks/results/<name>.json)")
+    add("--smoke", action="store_true", help="seconds-long run of every code path; JSON only to --out")
+    add("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes (recorded in the JSON)")
 
 
 def shrink(args: argparse.Namespace, smoke: Mapping[str, Any]) -> list[str]:
@@ -151,9 +153,8 @@ def shrink(args: argparse.Namespace, smoke: Mapping[str, Any]) -> list[str]:
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
-    """HEAD and the changes `git status --porcelain` lists (tracked files, untracked files outside ignored paths).
-    Dirty if any is outside benchmarks/results/ (results are outputs: listed apart, so runs can follow each other
-    at one commit), or if there is no git commit (nothing names the code)."""
+    """HEAD and the changes `git status --porcelain` lists. Dirty if any is outside benchmarks/results/ (outputs:
+    listed apart, so runs can follow each other at one commit), or if there is no commit (nothing names the code)."""
 
     def git(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)
@@ -175,10 +176,8 @@ def sha256(path: str | os.PathLike) -> str:
 def cpu_info() -> dict[str, Any]:
     """CPU model, the vector flags that decide bf16 and vector speed, torch's CPU capability."""
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next(
-        (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor()
-    )
-    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    model = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+    flags = set(next((x.split(":", 1)[1].split() for x in info if x.startswith("flags")), []))
     return {
         "cpu": model,
         "cpu_flags": {name: flag in flags for name, flag in CPU_FLAGS.items()},
@@ -209,28 +208,17 @@ class Run:
     smoke_changes: list[str] = field(default_factory=list)
 
     def provenance(self) -> dict[str, Any]:
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         script = self.script.relative_to(self.repo) if self.script.is_relative_to(self.repo) else self.script
-        return {
-            **{key: self.git.get(key) for key in ("commit", "dirty", "changes", "results_changed")},
-            "changed_during_run": self.git.get("at_end"),
-            "allow_dirty": self.args.allow_dirty,
-            "smoke": self.args.smoke,
-            "smoke_changes": self.smoke_changes,
-            "script": str(script),
-            "script_sha256": sha256(self.script),
-            "common_sha256": sha256(__file__),
-            **cpu_info(),
-            "native_bf16": native_bf16(self.device.type),
-            "threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "gpu": gpu,
-            "device": str(self.device),
-            "command": [Path(sys.executable).name, *sys.argv],
-            "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
+        return {**{key: self.git.get(key) for key in ("commit", "dirty", "changes", "results_changed")},
+                "changed_during_run": self.git.get("at_end"), "allow_dirty": self.args.allow_dirty,
+                "smoke": self.args.smoke, "smoke_changes": self.smoke_changes, "script": str(script),
+                "script_sha256": sha256(self.script), "common_sha256": sha256(__file__), **cpu_info(),
+                "native_bf16": native_bf16(self.device.type), "threads": torch.get_num_threads(),
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
+                "python": platform.python_version(), "device": str(self.device),
+                "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+                "command": [Path(sys.executable).name, *sys.argv],
+                "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
 
     def write(self, report: dict[str, Any], default_name: str) -> Path | None:
         """`report` with the provenance, as JSON to --out (else benchmarks/results/<default_name>; under --smoke
@@ -252,32 +240,22 @@ class Run:
         return path
 
 
-def start(
-    script: str | os.PathLike,
-    parser: argparse.ArgumentParser,
-    argv: Sequence[str] | None = None,
-    *,
-    rows: Iterable[str] | None = None,
-    smoke: Mapping[str, Any] | None = None,
-    repo: Path = REPO,
-) -> Run:
+def start(script: str | os.PathLike, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
+          rows: Iterable[str] | None = None, smoke: Mapping[str, Any] | None = None,
+          repo: Path = REPO) -> Run:  # fmt: skip
     """Parse the arguments, shrink them under --smoke, check --repeats and --rows, set the threads, decide the
     device, and refuse a dirty tree (unless --allow-dirty) before anything is measured."""
     args = parser.parse_args(argv)
-    changes = (
-        shrink(args, {**(smoke or {}), **({"repeats": 1} if hasattr(args, "repeats") else {})}) if args.smoke else []
-    )
+    has_repeats = hasattr(args, "repeats")
+    changes = shrink(args, {**(smoke or {}), **({"repeats": 1} if has_repeats else {})}) if args.smoke else []
     args.allow_dirty = args.allow_dirty or args.smoke
-    if hasattr(args, "repeats") and (args.repeats < 1 or (args.repeats < MIN_REPEATS and not args.smoke)):
-        parser.error(
-            f"--repeats {args.repeats}: at least {MIN_REPEATS} (one repeat measures no noise; 1 only with --smoke)"
-        )
+    if has_repeats and (args.repeats < 1 or (args.repeats < MIN_REPEATS and not args.smoke)):
+        parser.error(f"--repeats {args.repeats}: at least {MIN_REPEATS} (one measures no noise; 1 only with --smoke)")
     names: list[str] = []
-    if rows is not None:
-        try:
-            names = parse_rows(args.rows, rows)
-        except ValueError as error:
-            parser.error(str(error))
+    try:
+        names = parse_rows(args.rows, rows) if rows is not None else []
+    except ValueError as error:
+        parser.error(str(error))
     if changes:
         print(f"--smoke: {', '.join(changes)}")
     if args.threads is not None:
@@ -295,50 +273,85 @@ def start(
     return Run(args, Path(script).resolve(), device, names, state, Path(repo).resolve(), changes)
 
 
-SMOKE_IMAGES = 1000  # --smoke: the reference statistics and quick classifiers see this many real images
+# ---------------------------------------------------------------------- the project's objects, as its commands build
 
 
-@dataclass(frozen=True, kw_only=True)
-class FirstImages:
-    """A data source cut to its first `limit` images (--smoke: the same code path, a tenth of MNIST's cost)."""
-
-    base: Any  # the source cut (a field named `source` would shadow the cache key's source name)
-    limit: int
-
-    def prepare(self) -> None:
-        self.base.prepare()
-
-    def count(self) -> int:
-        return min(self.limit, self.base.count())
-
-    def load(self, *, image_size: int, channels: int | None) -> Any:
-        from ddpm.data.sources import ImageSet
-
-        data = self.base.load(image_size=image_size, channels=channels)
-        return ImageSet(images=data.images[: self.limit], labels=data.labels[: self.limit],
-                        num_classes=data.num_classes)  # fmt: skip
-
-
-def reference_cache(cache_dir: str, *, smoke: bool, tmp: str | Path) -> str | Path:
-    """Where reference statistics are cached: `cache_dir`, but under --smoke the temp folder `tmp` unless a cache
-    folder was named (smoke statistics belong to a throwaway classifier; they must not pile up in ~/.cache)."""
-    from ddpm.metrics.fid import DEFAULT_CACHE_DIR
-
-    return tmp if smoke and cache_dir == DEFAULT_CACHE_DIR else cache_dir
+SAMPLERS = {  # preset -> a conf/sampler/ group and its overrides (the one source: the group's yaml)
+    "ddpm1000": "ddpm steps=null",
+    "ddpm250": "ddpm",
+    "ddim100": "ddim steps=100",
+    "ddim50": "ddim",
+    "ddim20": "ddim steps=20",
+    "ddim4": "ddim steps=4",
+    "dpm++20": "dpm_solver",
+    "dpm++10": "dpm_solver steps=10",
+    "dpm++sde15": "dpm_solver_sde steps=15",
+    "dpm++sde20": "dpm_solver_sde",
+    "dpm++sde25": "dpm_solver_sde steps=25",
+    "dpm++sde25_logsnr": "dpm_solver_sde steps=25 spacing=logsnr",  # uniform in log sigma
+    "edm13": "edm churn=0",  # deterministic Heun, 25 calls
+    "edm13_churn": "edm",  # S_churn 40, 25 calls
+    "restart": "restart",  # 25 calls
+}
+SAMPLER_GROUPS = sorted(p.stem for p in (REPO / "conf" / "sampler").glob("*.yaml"))
 
 
-def mnist_or_digits(root: str, *, allow_digits: bool, limit: int | None = None) -> tuple[Any, str]:
-    """The MNIST IDX files under `root` as a data source, or scikit-learn's digits where allowed (--smoke); with
-    `limit`, only their first `limit` images (FirstImages)."""
-    from ddpm.data.sources import DigitsSource, MNISTSource
+def sampler(name: str, steps: int | None = None) -> Any:
+    """A preset of SAMPLERS, or a conf/sampler/ group as its yaml says, with `steps` if given: built as sample.py
+    builds `sampler=<group> sampler.key=value` (ddpm.config.build: a refusal names the key)."""
+    from omegaconf import OmegaConf
 
-    if Path(root).is_dir():
-        source, name = MNISTSource(root=root), f"MNIST ({root})"
-    elif not allow_digits:
-        raise SystemExit(f"no MNIST under {root}: pass --data-root (a folder of MNIST IDX files), or --smoke")
-    else:
-        print(f"no MNIST under {root}: scikit-learn's digits instead (the same tensor shapes and cost)")
-        source, name = DigitsSource(), "digits (MNIST missing)"
-    if limit is None:
-        return source, name
-    return FirstImages(base=source, limit=limit), f"the first {limit} images of {name}"
+    from ddpm.config import build
+
+    group, *overrides = SAMPLERS.get(name, name).split()
+    if group not in SAMPLER_GROUPS:
+        raise ValueError(f"sampler {name!r}: a preset ({', '.join(SAMPLERS)}) or a group ({', '.join(SAMPLER_GROUPS)})")
+    node = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "sampler" / f"{group}.yaml"), OmegaConf.from_dotlist(
+        [*overrides, *([f"steps={steps}"] if steps is not None else [])]))  # fmt: skip
+    return build(OmegaConf.create({"sampler": node}).sampler)  # under `sampler`: a refusal names sampler.<key>
+
+
+def calls(sampler_: Any) -> int:
+    """Network calls per image trajectory (its network_evaluations(), else its steps; DDPM on all T: 1000)."""
+    return sampler_.network_evaluations() if hasattr(sampler_, "network_evaluations") else sampler_.steps or 1000
+
+
+def draw(net: Any, diffusion: Any, sampler_: Any, count: int, device: torch.device, *, guidance: float = 0.0,
+         batch: int | None = None, decode: Callable | None = None, **options: Any) -> Any:  # fmt: skip
+    """`count` images as sample.py draws them (labels 0..9 in turn for a conditional model, seed 0 unless given):
+    ddpm.diffusion.generate's Generated. `options`: denoiser_for's (interval, precision, channels_last, compile,
+    compile_backend), generate's (seed, labels). batch: sample.py's batch_size=auto if None. decode: a latent
+    model's VAE decoder (sample.py's), timed with the sampling."""
+    from ddpm.diffusion.generate import class_cycle, denoiser_for, generate
+    from ddpm.diffusion.samplers.base import decoded
+    from ddpm.sampling.runtime import default_batch_size
+
+    batch = batch or default_batch_size(device, guided=guidance != 0)
+    classes = getattr(net, "num_classes", None)
+    labels = options.pop("labels", None)
+    labels = class_cycle(count, classes) if labels is None and classes is not None else labels
+    seed = options.pop("seed", 0)
+    denoiser = denoiser_for(net, diffusion, guidance=guidance, rows=min(batch, count), **options)
+    shape = (count, net.in_channels, net.image_size, net.image_size)
+    return generate(denoiser, decoded(sampler_, decode), shape, labels=labels, seed=seed, batch_size=batch,
+                    device=device)  # fmt: skip
+
+
+def compose(config: str, overrides: Sequence[str]) -> Any:
+    """conf/<config>.yaml composed with `overrides`, as the command line would (train.py, sample.py)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config, overrides=list(overrides))
+
+
+def entry_point(script: str, overrides: Sequence[str], threads: int | None = None) -> tuple[str, float]:
+    """`python <script> overrides...` (train.py, sample.py) as a subprocess from the repository: its stdout and
+    wall seconds; a failure stops the run with its stderr."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, script, *overrides], cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{script} {' '.join(overrides)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout, time.perf_counter() - began

@@ -1,17 +1,13 @@
 """How often a small MNIST classifier recognises generated digits as the label they were asked for.
 
-    python train.py experiment=mnist data.root=../shared/data/mnist
-    python sample.py ckpt=outputs/.../ema.pt num_samples=500 guidance=3 sampler.steps=100
+    python sample.py ckpt=outputs/.../ema.pt num_samples=500 guidance=3
     python benchmarks/mnist_quality.py --samples outputs/samples/.../samples.npz
+    python benchmarks/mnist_quality.py --save-classifier mnist_classifier.pt   # the classifier FID's features
 
-    # keep the trained classifier as a TorchScript feature extractor (penultimate features + logits)
-    # for an offline "classifier FID": sample.py metrics=[fid] metrics.features=mnist_classifier.pt
-    python benchmarks/mnist_quality.py --save-classifier mnist_classifier.pt [--samples ...]
-
-The classifier (ddpm.metrics.classifier: a small CNN) trains on the same MNIST files at the same 32x32 size, with a
-seeded held-out split whose accuracy is reported beside the samples' (so a weak classifier cannot pass weak
-samples). Prints a table and writes JSON (benchmarks/results/mnist_quality.json or --out) with the provenance of
-benchmarks/common.py. --smoke: 1 epoch on 1,000 images, no accuracy gate, scikit-learn's digits if MNIST is absent.
+The classifier (ddpm.metrics.classifier: a small CNN) trains on the MNIST files at 32x32 with a seeded held-out split
+whose accuracy is reported beside the samples' (a weak classifier cannot pass weak samples); saved as TorchScript
+(penultimate features + logits) it is `metrics.features=` of sample.py and the classifier of scoring.py. --smoke: 1
+epoch on 1,000 images, no accuracy gate, scikit-learn's digits if MNIST is absent.
 """
 
 import argparse
@@ -22,6 +18,7 @@ from typing import Any
 import common
 import numpy as np
 import torch
+from scoring import mnist_or_digits
 from torch import Tensor
 
 from ddpm.metrics.classifier import accuracy, save_torchscript, train_classifier
@@ -58,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.samples is None and args.save_classifier is None:
         p.error("nothing to do: pass --samples samples.npz and/or --save-classifier PATH")
     began = time.perf_counter()
-    source, data_name = common.mnist_or_digits(args.data_root, allow_digits=args.smoke)
+    source, data_name = mnist_or_digits(args.data_root, allow_digits=args.smoke)
     data = source.load(image_size=32, channels=1)
     images, labels = data.images[: args.limit], data.labels[: args.limit]
     model, held_out = train_classifier(images, labels, epochs=args.epochs, seed=args.seed)
@@ -70,11 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     samples, asked = load_samples(args.samples)
     sample_accuracy, predicted = accuracy(model, samples, asked)
     per_class = {int(c): (predicted[asked == c] == c).float().mean().item() for c in asked.unique()}
-    print(f"{'':24}{'accuracy':>10}{'images':>8}")
-    print(f"{'classifier, held out':24}{held_out:>10.3f}{len(images) // 10:>8}")
-    print(f"{'generated samples':24}{sample_accuracy:>10.3f}{len(samples):>8}")
-    for label, value in per_class.items():
-        print(f"{'  label ' + str(label):24}{value:>10.3f}{int((asked == label).sum()):>8}")
+    rows = [
+        ["classifier, held out", f"{held_out:.3f}", len(images) // 10],
+        ["generated samples", f"{sample_accuracy:.3f}", len(samples)],
+    ]
+    rows += [[f"label {c}", f"{v:.3f}", int((asked == c).sum())] for c, v in per_class.items()]
+    print(common.table(["", "accuracy", "images"], rows))
     report = {
         "samples": str(args.samples),
         "data": data_name,

@@ -132,9 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         readings, wall = soak(args, run.device.type, Path(tmp))
     result = growth(readings, args.steps, args.warmup)
-    print("\n| seconds | step | RSS MB | processes |\n|---:|---:|---:|---:|")
-    for i in sorted({round(k * (len(readings) - 1) / 20) for k in range(21)}):  # 21 rows at most, first and last
-        print("| {seconds} | {step} | {rss_mb} | {processes} |".format(**readings[i]))
+    shown = [readings[i] for i in sorted({round(k * (len(readings) - 1) / 20) for k in range(21)})]  # first, last
+    print(
+        common.table(
+            ["seconds", "step", "RSS MB", "processes"],
+            [[r["seconds"], r["step"], r["rss_mb"], r["processes"]] for r in shown],
+        )
+    )
     warm, end = result["warm"], result["end"]
     print(f"\nafter warm-up (step {warm['step']}, {warm['rss_mb']} MB) to step {end['step']} ({end['rss_mb']} MB): "
           f"{result['growth_mb']:+} MB, {result['growth_mb_per_1000_steps']:+} MB per 1,000 steps; "

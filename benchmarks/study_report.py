@@ -49,15 +49,6 @@ def trials(study: optuna.Study) -> list[dict]:
     return sorted(({"number": t.number, "value": t.value, **t.params} for t in done), key=lambda r: r["value"])
 
 
-def markdown(rows: list[dict], params: list[str], objective: str) -> str:
-    head = ["trial", *params, objective]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [str(r["number"]), *(fmt(r.get(p)) for p in params), f"{r['value']:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.2e}" if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e4) else f"{value:g}"
@@ -97,7 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
         study = optuna.load_study(study_name=args.study, storage=f"sqlite:///{storage}")
         rows = trials(study)
         params = sorted({k for r in rows for k in r} - {"number", "value"})
-        print(markdown(rows, params, "objective"))
+        print(
+            common.table(
+                ["trial", *params, "objective"],
+                [[r["number"], *(fmt(r.get(p)) for p in params), f"{r['value']:.2f}"] for r in rows],
+            )
+        )
         written = (
             save_plots(study, Path(tmp) / "smoke" if args.smoke else args.plots) if args.plots or args.smoke else []
         )

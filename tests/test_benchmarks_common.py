@@ -175,3 +175,17 @@ def test_classifier_file_trains_once_and_is_a_feature_extractor(tmp_path: Path) 
     images = DigitsSource().load(image_size=16, channels=1).images[:5]
     features, logits = classifier_extractor(path)(images)
     assert features.shape == (5, 1024) and logits.shape == (5, 10)
+
+
+def test_the_table_printer_writes_markdown_with_na_and_three_digits() -> None:
+    text = common.table(["row", "a", "b"], [["x", 1.23456, None], ["y", 12345.6, "s"], ["z", 0.000123, 7]])
+    assert text.splitlines() == ["| row | a | b |", "|---|---|---|", "| x | 1.23 | n/a |", "| y | 12,346 | s |",
+                                 "| z | 0.000123 | 7 |"]  # fmt: skip
+
+
+def test_timed_returns_the_result_and_the_seconds_between_the_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    assert common.timed(lambda: "done", torch.device("cpu")) == ("done", 2.5)

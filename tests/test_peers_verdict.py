@@ -8,7 +8,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import peers  # (benchmarks/peers.py and its _peer_tools.py: import no peer package at module level)
+import peers  # (benchmarks/peers.py: imports no peer package at module level)
 
 
 def rows(ours: list[float], peer: list[float]) -> list[dict]:

@@ -1,12 +1,13 @@
-"""benchmarks/samplers.py's choice of the fastest sampler within the noise of DDPM-1000, on hand-made rows; and
-mnist_recipe.py's samplers that restate the table's configurations (no script imports another) restate them exactly."""
+"""benchmarks/samplers.py's choice of the fastest sampler within the noise of DDPM-1000, on hand-made rows; and the
+sampler presets of benchmarks/common.py, composed from conf/sampler/, against the committed sampler table."""
 
+import json
 import sys
 
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import mnist_recipe
+import common
 import pytest
 import samplers
 
@@ -38,9 +39,25 @@ def test_a_guided_ddpm1000_row_is_asked_and_no_unguided_one_chooses_none() -> No
 
 
 @pytest.mark.parametrize(
-    "name", ["dpm++sde25", "dpm++sde20", "dpm++sde15", "ddpm250", "ddpm1000", "ddim50", "edm13_churn", "restart"]
+    "row",
+    json.loads((REPO / "benchmarks/results/samplers.json").read_text())["rows"],
+    ids=lambda r: f"{r['config']}-w{r['guidance']:g}",
 )
-def test_mnist_recipe_samplers_are_the_tables(name: str) -> None:
-    cls, kwargs = samplers.CONFIGS[name]
-    ours = mnist_recipe.SAMPLERS[name]()
-    assert type(ours) is cls and vars(ours) == vars(cls(**kwargs))
+def test_every_preset_the_committed_table_drew_builds_the_sampler_it_recorded(row: dict) -> None:
+    """The table's rows were drawn by hand-written constructors; composed from conf/sampler/ each preset is the
+    same class with the same recorded arguments and network calls per image."""
+    sampler = common.sampler(row["config"])
+    recorded = {k: v for k, v in row.items() if k in vars(sampler)}
+    assert type(sampler).__name__ == row["sampler"] and common.calls(sampler) == row["nfe"]
+    assert recorded and recorded == {k: vars(sampler)[k] for k in recorded}
+
+
+def test_a_group_takes_steps_and_a_refusal_names_the_key_and_the_choices() -> None:
+    assert (type(common.sampler("dpm_solver", 10)).__name__, common.sampler("dpm_solver", 10).steps) == (
+        "DPMSolverSampler",
+        10,
+    )
+    with pytest.raises(ValueError, match=r"sampler\.steps=0 must be >= 1"):
+        common.sampler("ddim", 0)
+    with pytest.raises(ValueError, match=r"a preset \(ddpm1000, .*\) or a group \(ddim, ddpm"):
+        common.sampler("ddim_fast")

@@ -44,3 +44,36 @@ def test_the_default_rows_of_every_gpu_command_reach_the_timing(model: str, monk
     monkeypatch.setattr(throughput, "load_images", images)
     with pytest.raises(Timing):
         throughput.main(["--model", model, "--device", "cpu", "--allow-dirty"])
+
+
+def test_step_spans_run_from_the_previous_batch_end_and_leave_the_paired_step_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/loops.py's Steps on a hand-driven clock: a span runs from the end of the previous batch (after the
+    paired bare step) to the end of its own; its wait to the start of its batch; a window from batch a's end to b's."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import loops
+
+    now = [0.0]
+    monkeypatch.setattr(loops.time, "perf_counter", lambda: now[0])
+
+    def tick(seconds: float) -> None:
+        now[0] += seconds
+
+    paired, window = (
+        loops.Steps(torch.device("cpu"), between=lambda: tick(0.5)),
+        loops.Steps(torch.device("cpu"), at=(1, 3)),
+    )
+    for timer in (paired, window):
+        now[0] = 0.0
+        for fetch, step in [(1.0, 2.0), (0.1, 3.0), (0.2, 4.0)]:
+            tick(fetch)
+            timer.on_train_batch_start()
+            tick(step)
+            timer.on_train_batch_end()
+    steps, waits = paired.spans(0)  # batches 2 and 3: ends 6.6 and 11.3, after resuming at 3.5 and 7.1
+    assert steps == pytest.approx([3.1, 4.2]) and waits == pytest.approx([0.1, 0.2])
+    assert paired.between_s == pytest.approx([0.5, 0.5, 0.5]) and paired.ends[1] - paired.starts[0] == 2.0
+    assert window.window == pytest.approx(10.3 - 3.0) and sorted(window.ends) == [1, 3]
