@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
-from docs_collect import COMMANDS
-from docs_runner import PATH
 from helpers import PYTHON, REPO, env
+from test_docs_commands import DOCUMENTED, PATH
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +41,7 @@ MEMBER = re.compile(r"Initializing distributed: GLOBAL_RANK: (\d+), MEMBER: (\d+
 
 
 def documented(prefix: str) -> str:
-    (text,) = [c.text for c in COMMANDS if c.text.startswith(prefix) and c.source.startswith("docs/scaling.md")]
+    (text,) = [c for c, where in DOCUMENTED.items() if c.startswith(prefix) and where.startswith("docs/scaling.md")]
     return text
 
 
