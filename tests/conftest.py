@@ -76,3 +76,15 @@ def ddpm_cifar10() -> torch.nn.Module:
     """conf/model/ddpm_cifar10.yaml's UNet (35.7M parameters), built once per test module; do not train it."""
     torch.manual_seed(0)
     return instantiate(OmegaConf.load(CONF / "model" / "ddpm_cifar10.yaml"))
+
+
+# The files that take longest (minutes of subprocesses) run first: with `--dist loadfile` each file stays on one
+# worker, and a long file started last would leave the other worker idle at the end.
+LONGEST_FIRST = ["test_docs_commands.py", "test_experiments.py", "test_diffusers_native.py", "test_ddp.py",
+                 "test_multinode.py", "test_run_faults.py", "test_workflow.py", "test_resume.py"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the files LONGEST_FIRST, then as collected (the tests inside a file keep their order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

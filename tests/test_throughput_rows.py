@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py's rows on the presets of docs/benchmarks.md's GPU commands: the default rows reach the
+"""benchmarks/throughput.py's rows on the presets of the GPU (`--device cuda`) commands: the default rows reach the
 timing on every preset, and a diffusers row on a preset diffusers' UNet2DModel cannot express stops before anything
 is timed, naming why (a real subprocess, as a user runs it)."""
 
@@ -29,8 +29,8 @@ class Timing(Exception):
 
 @pytest.mark.parametrize("model", ["seed_mnist", "ddpm_cifar10", "unet64"])
 def test_the_default_rows_of_every_gpu_command_reach_the_timing(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/benchmarks.md's three `--device cuda` commands name no rows; two of them used to die building a diffusers
-    # twin their preset cannot have. Each now gets as far as the images, with no twin built.
+    # `--model <preset> --device cuda` with no rows: two presets used to die building a diffusers twin they cannot
+    # have. Each now gets as far as the images, with no twin built.
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import throughput
 
