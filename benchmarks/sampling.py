@@ -7,7 +7,8 @@ whole `python sample.py` command as a subprocess (before and after the sampling 
 In this process, on one network (--ckpt's EMA weights, or --model's preset with random weights), --sampler (a
 preset of common.SAMPLERS or a conf/sampler/ group; --steps overrides its steps): fp32_eager (float32, NCHW, eager,
 batch 256), bf16 (bf16 network calls), channels_last (NHWC), compile (torch.compile, a partial batch padded),
-bf16_compile; defaults / defaults_compile (sample.py's: batch_size auto, precision auto, NHWC); fp32_batch_auto,
+bf16_compile; defaults / defaults_compile (sample.py's: batch_size auto, precision auto, NHWC); defaults_decoded
+(defaults, a latent --ckpt's samples decoded by its VAE: the decoder's cost beside defaults); fp32_batch_auto,
 fp32_nhwc_batch_auto, fp32_compile_batch_auto (float32 at sample.py's batch). A row's first use of a network is one
 untimed batch (kernel set-up; compiled: the compile, reported as compile s). With --classifier each row's images get
 a cfid [95%] (scoring.py), and rows drawing the noise of the first row (same batch) are compared with its images:
@@ -33,7 +34,7 @@ from omegaconf import OmegaConf
 
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.network import compile_network, to_channels_last
-from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
+from ddpm.sampling.runtime import default_batch_size, load_decoder, resolve_sampling_precision
 from ddpm.weights import load_model
 
 SMOKE = {"num_samples": 4, "steps": 2, "classifier_epochs": 1, "resamples": 20, "compile_backend": "eager"}
@@ -45,6 +46,7 @@ class Row:
     compile: bool = False
     batch_size: int | None = 256  # None: sample.py's auto
     channels_last: bool = False
+    decode: bool = False  # a latent model's samples decoded through its VAE (sample.py's images)
 
 
 ROWS: dict[str, Row | dict[str, str]] = {
@@ -55,6 +57,7 @@ ROWS: dict[str, Row | dict[str, str]] = {
     "bf16_compile": Row(precision="bf16", compile=True),
     "defaults": Row(precision="auto", batch_size=None, channels_last=True),
     "defaults_compile": Row(precision="auto", compile=True, batch_size=None, channels_last=True),
+    "defaults_decoded": Row(precision="auto", batch_size=None, channels_last=True, decode=True),  # latent --ckpt
     "fp32_batch_auto": Row(batch_size=None),
     "fp32_nhwc_batch_auto": Row(batch_size=None, channels_last=True),
     "fp32_compile_batch_auto": Row(compile=True, batch_size=None, channels_last=True),
@@ -71,36 +74,40 @@ ROWS: dict[str, Row | dict[str, str]] = {
     "now_compile": {"compile": "true"},
 }
 IN_PROCESS = [name for name, row in ROWS.items() if isinstance(row, Row)]
+DEFAULT_ROWS = [name for name in IN_PROCESS if not ROWS[name].decode]
 PRINTED = re.compile(
     r"(?P<n>\d+) images in (?P<s>[\d.]+) s \((?P<ips>[\d.]+) images/s, (?P<nfe>\d+) network evaluations per batch; "
     r"batch (?P<batch>\d+), precision (?P<precision>\w+)(?P<rest>[^)]*)\)"
 )
 
 
-def load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
-    """The checkpoint's EMA network, or a preset from conf/model/ with random weights (and the default schedule)."""
+def load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    """The checkpoint's EMA network, or a preset from conf/model/ with random weights (and the default schedule); a
+    latent model's VAE (else None)."""
     if args.ckpt:
         loaded = load_model(args.ckpt, device)
-        return loaded.net.eval(), loaded.diffusion
+        return loaded.net.eval(), loaded.diffusion, load_decoder(loaded.config.get("latent"), device)
     torch.manual_seed(0)
     conf = OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml")
     net = instantiate(conf, **({"num_classes": 10} if args.guidance and conf.get("num_classes") is None else {}))
     with torch.no_grad():  # random, not zero-initialised, output: realistic images for the sampler's clipping
         for p in net.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    return net.to(device).eval(), GaussianDiffusion()
+    return net.to(device).eval(), GaussianDiffusion(), None
 
 
 class InProcess:
     """Draws rows on one network: each layout's copy made once, each compiled shape compiled once."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.net, self.diffusion = load(args, device)
+        self.net, self.diffusion, self.vae = load(args, device)
         self.args, self.device, self.eager, self.networks = args, device, {}, {}
         self.sampler = common.sampler(args.sampler, args.steps)
 
     def __call__(self, name: str, _repeat: int) -> dict[str, Any]:
         row, args, net = ROWS[name], self.args, self.net
+        if row.decode and self.vae is None:
+            raise SystemExit(f"row {name} decodes a latent model's samples: give --ckpt a run trained on latents")
         guidance = args.guidance if net.num_classes is not None else 0.0
         batch = row.batch_size or default_batch_size(self.device, guided=guidance != 0)
         precision = resolve_sampling_precision(row.precision, self.device)
@@ -108,8 +115,9 @@ class InProcess:
         if row.channels_last not in self.eager:
             self.eager[row.channels_last] = to_channels_last(net) if row.channels_last else net
         key, compile_s = (row.channels_last, row.compile, n, precision), None
+        decode = self.vae.decode if row.decode else None
         options = {"guidance": guidance, "batch": batch, "precision": precision, "compile": row.compile,
-                   "compile_backend": args.compile_backend}  # fmt: skip
+                   "compile_backend": args.compile_backend, "decode": decode}  # fmt: skip
         if key not in self.networks:  # first use: one untimed batch (kernel set-up; compiled: the compile)
             eager = self.eager[row.channels_last]
             self.networks[key] = compile_network(eager, args.compile_backend) if row.compile else eager
@@ -203,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--classifier-epochs", type=int, default=4, help="epochs of a classifier trained here")
     p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST (the cfid reference)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the cfid interval")
-    common.add_arguments(p, rows=list(ROWS), default_rows=IN_PROCESS)
+    common.add_arguments(p, rows=list(ROWS), default_rows=DEFAULT_ROWS)
     return p
 
 

@@ -97,6 +97,7 @@ def test_export_holds_unet_scheduler_and_vae_and_diffusers_alone_samples_it(run_
     run("python", "-m", "ddpm.export", f"ckpt={run_dir / 'ema.pt'}", f"out={out}")
     index = json.loads((out / "model_index.json").read_text())
     assert index["vae"] == ["diffusers", "AutoencoderKL"] and index["unet"] == ["diffusers", "UNet2DModel"]
+    assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["clip_sample"] is False  # latents
     assert VAE.load(out / "vae").identity == torch.load(run_dir / "ema.pt", weights_only=True)["config"]["latent"][
         "vae_identity"]  # fmt: skip
     result = subprocess.run([sys.executable, "-c", readme_loop(), str(out)], env=env(), capture_output=True,

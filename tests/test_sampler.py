@@ -5,14 +5,16 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import denoiser
+from helpers import CONF, denoiser
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ddpm.config.build import build
-from ddpm.diffusion.denoiser import Guided
+from ddpm.diffusion.denoiser import Denoised, Guided, Levels
 from ddpm.diffusion.generate import generate
+from ddpm.diffusion.samplers.base import decoded
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
-from ddpm.diffusion.schedule import make_betas
+from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas, make_betas
 
 T = 1000
 
@@ -207,3 +209,28 @@ def test_negative_guidance_raises():
     plain = denoiser(noisy_net, make_betas("linear", T))
     with pytest.raises(ValueError, match=r"guidance=-1\.0: .*must be >= 0"):
         Guided(plain, guidance=-1.0, null_class=10)
+
+
+class ConstantX0(Levels):
+    """A denoiser that predicts x0 = 3 everywhere: a latent's value, outside the pixels' [-1, 1]."""
+
+    def output(self, x: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        return torch.full_like(x, 3.0)
+
+    def denoised(self, x: torch.Tensor, sigma: torch.Tensor, output: torch.Tensor) -> Denoised:
+        s = sigma.view(-1, 1, 1, 1).to(x.dtype)
+        return Denoised(eps=(x * (1 + s**2).sqrt() - output) / s, x0=output)  # x = (x0 + sigma eps) / sqrt(1 + s^2)
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "sampler").glob("*.yaml")))
+def test_decoded_samplers_keep_the_latents_range_and_pixel_samplers_clip(group: str) -> None:
+    """Latents are not pixels: a sampler whose output is decoded (`decoded`) neither clips its x0 predictions nor its
+    result to [-1, 1]; the same sampler drawing pixels does both."""
+    config = OmegaConf.load(CONF / "sampler" / f"{group}.yaml")
+    alpha_bar = alpha_bar_from_betas(linear_betas(1000))
+    denoiser = ConstantX0(((1 - alpha_bar) / alpha_bar).sqrt())
+    x_T = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    latents = decoded(instantiate(config), lambda z: z).sample(denoiser, x_T, denoiser.sigmas, None)
+    torch.testing.assert_close(latents, torch.full_like(latents, 3.0), atol=0.05, rtol=0)
+    pixels = instantiate(config).sample(denoiser, x_T, denoiser.sigmas, None)
+    assert pixels.max() <= 1.0

@@ -117,8 +117,8 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
 
 def add_vae(folder: Path, latent: dict[str, Any]) -> Path:
     """A latent model's VAE into the export, as `vae/` (its config and weights, byte for byte: the same identity),
-    named in model_index.json (diffusers' AutoencoderKL); refused if the folder no longer holds the VAE the
-    latents were encoded with."""
+    named in model_index.json (diffusers' AutoencoderKL), the scheduler's clip_sample off; refused if the folder no
+    longer holds the VAE the latents were encoded with."""
     from ddpm.models.vae import folder_identity
 
     source = Path(latent["vae"])
@@ -132,6 +132,8 @@ def add_vae(folder: Path, latent: dict[str, Any]) -> Path:
         shutil.copyfile(source / name, folder / "vae" / name)
     index = read_json(folder / "model_index.json", folder)
     (folder / "model_index.json").write_text(json.dumps(index | {"vae": ["diffusers", "AutoencoderKL"]}, indent=2))
+    scheduler = folder / "scheduler" / "scheduler_config.json"  # [-1, 1] is the pixels' range: latents keep theirs
+    scheduler.write_text(json.dumps(read_json(scheduler, folder) | {"clip_sample": False}, indent=2))
     return folder
 
 

@@ -30,8 +30,8 @@ def sigma_batch(sigmas: Tensor, t: int, x: Tensor) -> Tensor:
 
 class Decoded:
     """A sampler of latents whose images are decoded: `decode(sampler.sample(...))` (latent diffusion: the VAE's
-    decoder, pixels in [-1, 1]). The inner sampler must not clip its x0 predictions to [-1, 1], the range of pixels,
-    not of latents (`decoded` turns it off)."""
+    decoder, pixels in [-1, 1]). The inner sampler must not clip its x0 predictions or its result to [-1, 1], the
+    range of pixels, not of latents (`decoded` turns clip_denoised off)."""
 
     def __init__(self, sampler: Sampler, decode: Callable[[Tensor], Tensor]) -> None:
         self.sampler, self.decode = sampler, decode

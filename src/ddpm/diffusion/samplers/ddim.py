@@ -73,4 +73,4 @@ class DDIMSampler:
             x = c0[i] * x0 + ct[i] * x  # Song et al. 2021, eq. 12, without the noise
             if sigma[i] > 0:
                 x = x + sigma[i] * torch.randn(x.shape, generator=generator, device=x.device)
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range

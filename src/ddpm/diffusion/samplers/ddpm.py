@@ -58,4 +58,4 @@ class DDPMSampler:
             x = c0[i] * x0 + ct[i] * x  # posterior mean, Ho et al. 2020, eq. 7
             if i > 0:
                 x = x + sigma[i] * torch.randn(x.shape, generator=generator, device=x.device)
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range

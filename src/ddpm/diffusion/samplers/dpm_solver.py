@@ -92,4 +92,4 @@ class DPMSolverSampler:
                 d = (1 + 0.5 / r[i]) * x0 - (0.5 / r[i]) * previous  # Lu et al. 2022, algorithm 2
             x = ratio[i] * x + phi[i] * d  # last step: ratio = 0, phi = 1, so x = x0_hat
             previous = x0
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range

@@ -89,4 +89,4 @@ class DPMSolverSDESampler:
             if noise[i] > 0:
                 x = x + noise[i] * torch.randn(x.shape, generator=generator, device=x.device)
             previous = x0
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range

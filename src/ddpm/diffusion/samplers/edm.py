@@ -135,4 +135,4 @@ class EDMSampler:
                 z = torch.randn(x.shape, generator=generator, device=x.device)
                 x = x + math.sqrt(denoiser.sigma(t) ** 2 - sigma**2) * self.s_noise * z
             x = denoiser.heun(x, t, grid[i + 1] if i + 1 < len(grid) else None)
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range

@@ -93,4 +93,4 @@ class RestartSampler:
                     x = x + jump * torch.randn(x.shape, generator=generator, device=x.device)  # forward to t_max
                     for t_cur, t_next in itertools.pairwise(restart):  # backward to t_min
                         x = denoiser.heun(x, t_cur, t_next)
-        return x.clamp(-1, 1)
+        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
