@@ -31,7 +31,7 @@ def sigma_batch(sigmas: Tensor, t: int, x: Tensor) -> Tensor:
 class Decoded:
     """A sampler of latents whose images are decoded: `decode(sampler.sample(...))` (latent diffusion: the VAE's
     decoder, pixels in [-1, 1]). The inner sampler must not clip its x0 predictions or its result to [-1, 1], the
-    range of pixels, not of latents (`decoded` turns clip_denoised off)."""
+    range of pixels, not of latents (`decoded` turns clip_denoised and clip_output off)."""
 
     def __init__(self, sampler: Sampler, decode: Callable[[Tensor], Tensor]) -> None:
         self.sampler, self.decode = sampler, decode
@@ -49,4 +49,6 @@ def decoded(sampler: Sampler, decode: Callable[[Tensor], Tensor] | None) -> Samp
         return sampler
     if getattr(sampler, "clip_denoised", False):
         sampler.clip_denoised = False  # [-1, 1] is the pixels' range: latents have their own
+    if getattr(sampler, "clip_output", False):
+        sampler.clip_output = False  # and the result is the decoder's input, not an image
     return Decoded(sampler, decode)

@@ -37,6 +37,8 @@ def ddim_coefficients(alpha_bar: Tensor, eta: float) -> tuple[Tensor, Tensor, Te
 class DDIMSampler:
     """x_s = sqrt(a_s) x0_hat + sqrt(1 - a_s - sigma^2) eps_hat + sigma z on S timesteps; S network evaluations."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -73,4 +75,4 @@ class DDIMSampler:
             x = c0[i] * x0 + ct[i] * x  # Song et al. 2021, eq. 12, without the noise
             if sigma[i] > 0:
                 x = x + sigma[i] * torch.randn(x.shape, generator=generator, device=x.device)
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x

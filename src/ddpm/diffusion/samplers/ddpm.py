@@ -21,6 +21,8 @@ Variance = Literal["fixed_small", "fixed_large"]
 class DDPMSampler:
     """x_{t-1} ~ N(mu_tilde(x_t, x0_hat), sigma_t^2 I) with sigma_t^2 = beta_tilde_t (fixed_small) or beta_t."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -58,4 +60,4 @@ class DDPMSampler:
             x = c0[i] * x0 + ct[i] * x  # posterior mean, Ho et al. 2020, eq. 7
             if i > 0:
                 x = x + sigma[i] * torch.randn(x.shape, generator=generator, device=x.device)
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x

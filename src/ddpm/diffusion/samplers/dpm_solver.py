@@ -49,6 +49,8 @@ def dpm_solver_coefficients(alpha_bar: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 class DPMSolverSampler:
     """DPM-Solver++ multistep (order 1 or 2) on S timesteps, ending at sigma = 0; S network evaluations."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -92,4 +94,4 @@ class DPMSolverSampler:
                 d = (1 + 0.5 / r[i]) * x0 - (0.5 / r[i]) * previous  # Lu et al. 2022, algorithm 2
             x = ratio[i] * x + phi[i] * d  # last step: ratio = 0, phi = 1, so x = x0_hat
             previous = x0
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x

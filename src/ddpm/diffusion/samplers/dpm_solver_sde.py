@@ -43,6 +43,8 @@ def sde_dpm_solver_coefficients(alpha_bar: Tensor) -> tuple[Tensor, Tensor, Tens
 class DPMSolverSDESampler:
     """SDE-DPM-Solver++(2M) on S timesteps, ending at sigma = 0; S network evaluations, S - 1 noise draws."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -89,4 +91,4 @@ class DPMSolverSDESampler:
             if noise[i] > 0:
                 x = x + noise[i] * torch.randn(x.shape, generator=generator, device=x.device)
             previous = x0
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x

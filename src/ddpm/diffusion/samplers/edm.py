@@ -83,6 +83,8 @@ class HatDenoiser:
 class EDMSampler:
     """Stochastic Heun (Karras et al. 2022, alg. 2) on N rounded Karras sigmas; network_evaluations() = 2N - 1."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -135,4 +137,4 @@ class EDMSampler:
                 z = torch.randn(x.shape, generator=generator, device=x.device)
                 x = x + math.sqrt(denoiser.sigma(t) ** 2 - sigma**2) * self.s_noise * z
             x = denoiser.heun(x, t, grid[i + 1] if i + 1 < len(grid) else None)
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x

@@ -31,6 +31,8 @@ from ddpm.diffusion.samplers.edm import HatDenoiser, check, karras_sigmas, round
 class RestartSampler:
     """Heun ODE steps plus K restart cycles in [t_min, t_max]; network_evaluations() = 2N - 1 + 2 K restart_steps."""
 
+    clip_output = True  # the result clamped to [-1, 1], the pixels' range; decoded() turns it off for latents
+
     def __init__(
         self,
         *,
@@ -93,4 +95,4 @@ class RestartSampler:
                     x = x + jump * torch.randn(x.shape, generator=generator, device=x.device)  # forward to t_max
                     for t_cur, t_next in itertools.pairwise(restart):  # backward to t_min
                         x = denoiser.heun(x, t_cur, t_next)
-        return x.clamp(-1, 1) if self.clip_denoised else x  # pixels: [-1, 1]; latents (decoded) keep their range
+        return x.clamp(-1, 1) if self.clip_output else x
