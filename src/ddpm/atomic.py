@@ -190,7 +190,7 @@ def clear_leftovers(path: Path) -> None:
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
     for entry in sorted(path.parent.iterdir()):
         match = pattern.fullmatch(entry.name)
-        if match is None or _alive(int(match[2])):
+        if match is None or process_alive(int(match[2])):
             continue
         if match[1] == "old" and not path.exists():
             os.rename(entry, path)
@@ -198,16 +198,22 @@ def clear_leftovers(path: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs and may still write: not this process (an earlier call of it failed before
+    cleaning up), not gone, not a zombie (killed but not yet reaped: its writes are over)."""
     if pid == os.getpid():
-        return False  # an earlier call of this process, which failed before cleaning up
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]  # proc(5): the field after comm
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def sync_file(file: Path) -> None:

@@ -63,7 +63,29 @@ def sample_with_ema(
         net.train(was_training)
 
 
-class SampleGrid(Callback):
+class StepGrid(Callback):
+    """A grid saved every `every_n_steps` optimizer steps (0: never) and, with `at_end`, when training ends (unless
+    that step already has one): `save(trainer, pl_module)` is the subclass's."""
+
+    every_n_steps: int
+    at_end: bool
+    last_step: int = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
+            self.last_step = step
+            self.save(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_end and trainer.global_step != self.last_step:
+            self.save(trainer, pl_module)
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:
+        raise NotImplementedError
+
+
+class SampleGrid(StepGrid):
     """Every `every_n_steps` optimizer steps and at the end of training: a grid of EMA samples."""
 
     def __init__(
@@ -87,16 +109,6 @@ class SampleGrid(Callback):
         self.guidance_interval = guidance_interval_of(guidance_interval, key="callbacks.sample_grid.guidance_interval")
         self.precision = precision
         self.last_step = -1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
-            self.last_step = step
-            self.save(trainer, pl_module)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.at_end and trainer.global_step != self.last_step:
-            self.save(trainer, pl_module)
 
     @rank_zero_only
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:

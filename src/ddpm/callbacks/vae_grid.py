@@ -7,17 +7,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
-from ddpm.callbacks.sample_grid import find_ema, log_grid
+from ddpm.callbacks.sample_grid import StepGrid, find_ema, log_grid
 from ddpm.sampling.outputs import write_grid
 
 CAPTION = "rows: held-out originals, reconstructions (posterior means decoded), decoded N(0, I) latents"
 
 
-class VAEGrid(Callback):
+class VAEGrid(StepGrid):
     """Every `every_n_steps` optimizer steps and at the end of training: originals | reconstructions | samples."""
 
     def __init__(
@@ -34,16 +33,6 @@ class VAEGrid(Callback):
             )
         self.every_n_steps, self.num_images, self.seed, self.at_end = every_n_steps, num_images, seed, at_end
         self.last_step = -1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
-            self.last_step = step
-            self.save(trainer, pl_module)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.at_end and trainer.global_step != self.last_step:
-            self.save(trainer, pl_module)
 
     @rank_zero_only
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path:

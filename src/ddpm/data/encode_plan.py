@@ -2,7 +2,6 @@
 source or streamed WebDataset shards) and the output folder (never another encoding's)."""
 
 import json
-import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from ddpm.atomic import process_alive
 from ddpm.data.latent_shards import META, PER_FOLDER, PER_SHARD, LatentShardError, read_header
 from ddpm.models.vae import VAE
 
@@ -165,7 +165,7 @@ def prepare_out(out: Path, header: dict[str, Any]) -> None:
         if re.fullmatch(r"latents-\d{6}\.tar", entry.name):
             shards.append(entry)
         elif (match := leftover.fullmatch(entry.name)) is not None:
-            if not _alive(int(match[1])):
+            if not process_alive(int(match[1])):
                 entry.unlink(missing_ok=True)  # a temporary file of a killed encode
         elif entry.name != META:
             others.append(entry.name)
@@ -210,20 +210,3 @@ def check_same(found: dict[str, Any], expected: dict[str, Any], where: Path, own
 def content(data: dict[str, Any]) -> dict[str, Any]:
     """The keys of a data config node that decide which images are encoded."""
     return {k: v for k, v in data.items() if k not in SERVING}
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not: its writes are over)."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]  # proc(5): the field after comm
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")

@@ -10,10 +10,10 @@ import random
 from collections.abc import Iterator
 
 from torch import Tensor
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from ddpm.data.latent_shards import iter_samples
-from ddpm.data.shards import assign_shards
+from ddpm.data.shards import worker_share
 from ddpm.data.webdataset import batches, shuffle_buffer
 
 Batch = tuple[Tensor, Tensor]  # moments (B, 2c, h, w) float16 (z_d float32 (B, c, h, w) on the device), labels (B,)
@@ -47,17 +47,13 @@ class LatentStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slot = self.rank * workers + worker
-        paths, offset, stride = assign_shards(self.paths, slot, self.world_size * workers)
-        rng = random.Random(f"{self.seed}-{self.epoch}-{slot}")
+        share = worker_share(self.paths, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch)
         self.epoch += 1
         if self.batches_per_epoch is None:  # validation: one ordered pass
-            yield from batches(self._pass(paths, offset, stride), self.batch_size, count=None)
+            yield from batches(self._pass(share.shards, share.offset, share.stride), self.batch_size, count=None)
             return
-        count = self.batches_per_epoch // workers + int(worker < self.batches_per_epoch % workers)
-        yield from batches(self._passes(paths, offset, stride, rng), self.batch_size, count=count)
+        items = self._passes(share.shards, share.offset, share.stride, share.rng)
+        yield from batches(items, self.batch_size, count=share.batch_count(self.batches_per_epoch))
 
     def _passes(self, paths: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[Batch]:
         """Endless passes over this slot's images, each in a fresh shard order through its own shuffle buffer

@@ -8,6 +8,7 @@ opened with `webdataset.gopen`. Every error names the shard's URL (and the sampl
 
 import http.client
 import io
+import random
 import tarfile
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ from typing import IO, Literal
 
 import torch
 from torch import Tensor
+from torch.utils.data import get_worker_info
 
 from ddpm.data.images import PILLOW_MAX_PIXELS, convert_channels, fit_to_size, open_image
 
@@ -50,6 +52,32 @@ def assign_shards(shards: list[str], slot: int, slots: int) -> tuple[list[str], 
     shard = slot % len(shards)
     sharers = len(range(shard, slots, len(shards)))  # slots reading this shard
     return [shards[shard]], slot // len(shards), sharers
+
+
+@dataclass(frozen=True)
+class WorkerShare:
+    """One (rank, DataLoader worker) slot's shards, (offset, stride) inside them (assign_shards), and its RNG."""
+
+    shards: list[str]
+    offset: int
+    stride: int
+    rng: random.Random
+    worker: int
+    workers: int
+
+    def batch_count(self, batches_per_epoch: int) -> int:
+        """This worker's part of an epoch of `batches_per_epoch` batches (the workers' parts add up to it)."""
+        return batches_per_epoch // self.workers + int(self.worker < batches_per_epoch % self.workers)
+
+
+def worker_share(shards: list[str], *, rank: int, world_size: int, seed: int, epoch: int) -> WorkerShare:
+    """The share of `shards` read by this DataLoader worker of rank `rank`, with an RNG for pass `epoch` seeded by
+    (seed, epoch, slot): every slot shuffles differently, and again each pass."""
+    info = get_worker_info()
+    worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+    slot = rank * workers + worker
+    mine, offset, stride = assign_shards(shards, slot, world_size * workers)
+    return WorkerShare(mine, offset, stride, random.Random(f"{seed}-{epoch}-{slot}"), worker, workers)
 
 
 class RemoteShardError(ConnectionError):

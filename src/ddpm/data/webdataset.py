@@ -19,12 +19,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from ddpm.data.images import PILLOW_MAX_PIXELS
 from ddpm.data.ram import Batch, ScaleOnDevice
 from ddpm.data.sampler import RunShape, check_training_batches
-from ddpm.data.shards import OnError, ShardError, Skipped, assign_shards, expand_urls, read_shard
+from ddpm.data.shards import OnError, ShardError, Skipped, expand_urls, read_shard, worker_share
 from ddpm.data.sources import require, require_channels, require_image_size, require_positive_int
 
 
@@ -60,20 +60,15 @@ class ShardStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slot, slots = self.rank * workers + worker, self.world_size * workers
-        shards, offset, stride = assign_shards(self.urls, slot, slots)
-        rng = random.Random(f"{self.seed}-{self.epoch}-{slot}")
+        share = worker_share(self.urls, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch)
         self.epoch += 1
-        samples = self._samples(shards, offset, stride, rng)
+        samples = self._samples(share.shards, share.offset, share.stride, share.rng)
         if self.shuffle_buffer > 1:
-            samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+            samples = shuffle_buffer(samples, self.shuffle_buffer, share.rng)
         if self.batches_per_epoch is None:
             yield from batches(samples, self.batch_size, count=None)
         else:
-            count = self.batches_per_epoch // workers + int(worker < self.batches_per_epoch % workers)
-            yield from batches(samples, self.batch_size, count=count)
+            yield from batches(samples, self.batch_size, count=share.batch_count(self.batches_per_epoch))
 
     def _samples(self, shards: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[tuple[Tensor, int]]:
         """One ordered pass (validation), or endless passes in a fresh random order each (training)."""
