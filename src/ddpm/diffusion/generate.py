@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.denoiser import Denoised, Denoiser, Guided, Net, guidance_refusal
+from ddpm.diffusion.denoiser import Denoised, Denoiser, Guided, Net
 from ddpm.diffusion.network import Precision, prepare_network
 from ddpm.diffusion.samplers.base import Sampler
 
@@ -65,9 +65,7 @@ def denoiser_for(
 ) -> Denoiser:
     """The denoiser sample.py, the training callbacks and the benchmarks sample with: `net` prepared
     (ddpm.diffusion.network), wrapped by its diffusion family, guided when guidance != 0."""
-    null_class = getattr(net, "num_classes", None)
-    if (refusal := guidance_refusal(guidance, num_classes=null_class)) is not None:
-        raise ValueError(f"guidance={guidance}: {refusal}")
+    null_class = getattr(net, "num_classes", None)  # Guided refuses a weight this network cannot take
     guided = guidance != 0
     rows = rows * (2 if guided else 1) if rows is not None else None
     prepared = prepare_network(net, precision=precision, channels_last=channels_last, compile=compile, rows=rows,
