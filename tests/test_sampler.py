@@ -230,7 +230,9 @@ def test_decoded_samplers_keep_the_latents_range_and_pixel_samplers_clip(group: 
     alpha_bar = alpha_bar_from_betas(linear_betas(1000))
     denoiser = ConstantX0(((1 - alpha_bar) / alpha_bar).sqrt())
     x_T = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
-    latents = decoded(instantiate(config), lambda z: z).sample(denoiser, x_T, denoiser.sigmas, None)
+    given = instantiate(config)
+    latents = decoded(given, lambda z: z).sample(denoiser, x_T, denoiser.sigmas, None)
+    assert given.clip_output and given.clip_denoised  # a copy is switched off, the caller's sampler is not
     torch.testing.assert_close(latents, torch.full_like(latents, 3.0), atol=0.05, rtol=0)
     pixels = instantiate(config).sample(denoiser, x_T, denoiser.sigmas, None)
     assert pixels.max() <= 1.0

@@ -7,6 +7,7 @@ it works in EDM's x_hat = x sqrt(1 + sigma^2) (Heun, restart). It calls `denoise
 of the model. Coefficients in float64, the loop in float32.
 """
 
+import copy
 from collections.abc import Callable
 from typing import Protocol
 
@@ -47,6 +48,7 @@ def decoded(sampler: Sampler, decode: Callable[[Tensor], Tensor] | None) -> Samp
     """`sampler` as is (decode None: pixel diffusion), or drawing latents decoded to pixels, x0 clipping off."""
     if decode is None:
         return sampler
+    sampler = copy.copy(sampler)  # the caller's sampler (a callback's, kept across grids) stays a pixel sampler
     if getattr(sampler, "clip_denoised", False):
         sampler.clip_denoised = False  # [-1, 1] is the pixels' range: latents have their own
     if getattr(sampler, "clip_output", False):
