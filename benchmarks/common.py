@@ -1,14 +1,7 @@
-"""The benchmark library: arguments, device, interleaved repeats, statistics, timing, tables, provenance, JSON, and
-the project's objects as sample.py and train.py build them (sampler presets from conf/sampler/, draws, configs).
-
-Every script builds its parser, then `run = start(__file__, parser, argv, rows=ROWS, smoke=SMOKE)`: the shared
-options (`add_arguments`: --rows, --repeats, --device, --threads, --out, --smoke, --allow-dirty), the device as
-sample.py resolves it, and a tree with uncommitted changes refused before anything is measured (and again at
-writing) unless --allow-dirty, which the JSON records. --smoke: the script's SMOKE sizes, one repeat, no CUDA
-needed, JSON only where --out says. Rows run interleaved (ABC CBA ABC ...), `stats` gives the true median (an even
-count: the mean of the middle two), min and max, `paired_ratios` each repeat's figure over the baseline row's in the
-same repeat. `run.write` adds the provenance: commit, dirty flag, sha256 of the script and of this file, CPU model
-and flags, threads, torch, GPU.
+"""The benchmark library: arguments, device, interleaved repeats, statistics, the one timer and table printer,
+provenance and JSON, and the project's objects as its commands build them (sampler presets composed from
+conf/sampler/, sample.py's draw, train.py's config). Every script: `run = start(__file__, parser, argv, rows=ROWS,
+smoke=SMOKE)`, measure, `run.write(report, name)`; docs/benchmarks.md says what each rule is for.
 """
 
 import argparse
@@ -37,9 +30,14 @@ MNIST_ROOT = str(REPO.parent / "shared" / "data" / "mnist")
 RESULTS_PREFIX = "benchmarks/results/"  # outputs: a change there does not make the tree dirty
 CPU_FLAGS = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_tile"}  # /proc/cpuinfo
 MIN_REPEATS = 2  # below this a figure has no spread; 1 only under --smoke
+SAMPLERS = {  # preset -> a conf/sampler/ group and its overrides (the one source: the group's yaml)
+    "ddpm1000": "ddpm steps=null", "ddpm250": "ddpm", "ddim100": "ddim steps=100", "ddim50": "ddim",
+    "ddim20": "ddim steps=20", "ddim4": "ddim steps=4", "dpm++20": "dpm_solver", "dpm++10": "dpm_solver steps=10",
+    "dpm++sde15": "dpm_solver_sde steps=15", "dpm++sde20": "dpm_solver_sde", "dpm++sde25": "dpm_solver_sde steps=25",
+    "dpm++sde25_logsnr": "dpm_solver_sde steps=25 spacing=logsnr",  # uniform in log sigma
+    "edm13": "edm churn=0", "edm13_churn": "edm", "restart": "restart",  # Heun (13 steps) and restart: 25 calls
+}  # fmt: skip
 T = TypeVar("T")
-
-# ------------------------------------------------------------------------------------ statistics, timing, tables
 
 
 def stats(values: Iterable[float]) -> dict[str, Any]:
@@ -50,8 +48,13 @@ def stats(values: Iterable[float]) -> dict[str, Any]:
 
 def paired_ratios(runs: Mapping[str, Sequence[float]], baseline: str) -> dict[str, dict[str, Any]]:
     """Per row, each repeat's figure over `baseline`'s in the same repeat, and their stats."""
-    base = runs[baseline]
-    return {name: stats(v / b for v, b in zip(values, base, strict=True)) for name, values in runs.items()}
+    return {name: stats(v / b for v, b in zip(values, runs[baseline], strict=True)) for name, values in runs.items()}
+
+
+def rate(values: Iterable[float], key: str = "images_per_s") -> dict[str, Any]:
+    """stats() as a row's JSON keeps them: key (the median), key_min, key_max, key_runs."""
+    s = stats(values)
+    return {key: s["median"], f"{key}_min": s["min"], f"{key}_max": s["max"], f"{key}_runs": s["runs"]}
 
 
 def interleaved(names: Sequence[str], repeats: int) -> list[tuple[int, str]]:
@@ -69,14 +72,11 @@ def run_interleaved(names: Sequence[str], repeats: int, measure: Callable[[str, 
     return runs
 
 
-def figure(s: Mapping[str, Any] | None, spec: str = ".2f") -> str:
-    """'median [min-max]' of a stats() dict ('n/a' for None)."""
-    return "n/a" if s is None else f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
-
-
-def images_per_s(row: Mapping[str, Any], spec: str = ".2f") -> str:
-    """figure() of a row's images_per_s, images_per_s_min and images_per_s_max (as the JSON rows keep them)."""
-    return figure({"median": row["images_per_s"], "min": row["images_per_s_min"], "max": row["images_per_s_max"]}, spec)
+def figure(s: Mapping[str, Any] | None, spec: str = ".2f", key: str | None = None) -> str:
+    """'median [min-max]' of a stats() dict, or of a row's rate() keys `key` ('n/a' for None)."""
+    if key is not None:
+        s = s and s.get(key) is not None and {"median": s[key], "min": s[f"{key}_min"], "max": s[f"{key}_max"]}
+    return "n/a" if not s else f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
 
 
 def sync(device: torch.device) -> None:
@@ -94,26 +94,18 @@ def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
 
 
 def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A Markdown table (the one table printer): None prints as n/a, a float with 3 significant digits (from 1,000
-    on: whole, with commas)."""
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-        return "n/a" if v is None else str(v)
-
+    """A Markdown table (the one table printer): None as n/a, a float with 3 significant digits (from 1,000 on:
+    whole, with commas)."""
+    cell = lambda v: ((f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}") if isinstance(v, float) else  # noqa: E731
+                      "n/a" if v is None else str(v))  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
-
-
-# -------------------------------------------------------------------------------------------------------- arguments
 
 
 def parse_rows(text: str, known: Iterable[str], *, flag: str = "--rows") -> list[str]:
     """'a,b' -> ['a', 'b'], every name one of `known` (ValueError naming the unknown ones and the choices)."""
     names, known = [n.strip() for n in text.split(",") if n.strip()], list(known)
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
+    if (unknown := [n for n in names if n not in known]) or not names:
         raise ValueError(f"{flag} {text!r}: unknown {unknown or 'empty'}; choose from {', '.join(known)}")
     return names
 
@@ -135,30 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, rows: Sequence[str] | None
     add("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes (recorded in the JSON)")
 
 
-def shrink(args: argparse.Namespace, smoke: Mapping[str, Any]) -> list[str]:
-    """--smoke: numbers become at most the SMOKE value, anything else becomes it; returns what changed."""
-    changed = []
-    for key, value in smoke.items():
-        old = getattr(args, key, None)
-        small = value
-        if isinstance(value, int | float) and not isinstance(value, bool) and isinstance(old, int | float):
-            small = min(old, value)
-        if small != old:
-            setattr(args, key, small)
-            changed.append(f"{key}={small}")
-    return changed
-
-
-# ----------------------------------------------------------------------------------------------------- provenance
-
-
 def git_state(repo: Path = REPO) -> dict[str, Any]:
     """HEAD and the changes `git status --porcelain` lists. Dirty if any is outside benchmarks/results/ (outputs:
-    listed apart, so runs can follow each other at one commit), or if there is no commit (nothing names the code)."""
-
-    def git(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)
-
+    listed apart), or if there is no commit (nothing names the code)."""
+    git = lambda *argv: subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)  # noqa: E731
     head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=all")
     if head.returncode != 0 or status.returncode != 0:
         error = (head.stderr or status.stderr).strip()
@@ -169,23 +141,6 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
     return {"commit": head.stdout.strip(), "dirty": bool(changes), "changes": changes, "results_changed": results}
 
 
-def sha256(path: str | os.PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def cpu_info() -> dict[str, Any]:
-    """CPU model, the vector flags that decide bf16 and vector speed, torch's CPU capability."""
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
-    flags = set(next((x.split(":", 1)[1].split() for x in info if x.startswith("flags")), []))
-    return {
-        "cpu": model,
-        "cpu_flags": {name: flag in flags for name, flag in CPU_FLAGS.items()},
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-    }
-
-
 def refuse_dirty(state: Mapping[str, Any], allow_dirty: bool, when: str = "") -> None:
     if state["dirty"] and not allow_dirty:
         listed = "\n  ".join(state["changes"][:20])
@@ -193,6 +148,16 @@ def refuse_dirty(state: Mapping[str, Any], allow_dirty: bool, when: str = "") ->
             f"refusing to measure{when}: the tree has uncommitted changes, so no commit names the code that ran:\n"
             f"  {listed}\ncommit them and run again at a clean commit, or pass --allow-dirty (recorded in the JSON)"
         )
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model, the vector flags that decide bf16 and vector speed, torch's CPU capability."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    model = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+    flags = set(next((x.split(":", 1)[1].split() for x in info if x.startswith("flags")), []))
+    return {"cpu": model, "cpu_flags": {name: flag in flags for name, flag in CPU_FLAGS.items()},
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpus_usable": len(os.sched_getaffinity(0))}  # fmt: skip
 
 
 @dataclass
@@ -209,6 +174,7 @@ class Run:
 
     def provenance(self) -> dict[str, Any]:
         script = self.script.relative_to(self.repo) if self.script.is_relative_to(self.repo) else self.script
+        sha256 = lambda path: hashlib.sha256(Path(path).read_bytes()).hexdigest()  # noqa: E731
         return {**{key: self.git.get(key) for key in ("commit", "dirty", "changes", "results_changed")},
                 "changed_during_run": self.git.get("at_end"), "allow_dirty": self.args.allow_dirty,
                 "smoke": self.args.smoke, "smoke_changes": self.smoke_changes, "script": str(script),
@@ -227,8 +193,7 @@ class Run:
         if out is None and self.args.smoke:
             print("--smoke: no JSON written (pass --out PATH to write one)")
             return None
-        path = Path(out or RESULTS / default_name)
-        now = git_state(self.repo)
+        path, now = Path(out or RESULTS / default_name), git_state(self.repo)
         if now["commit"] != self.git["commit"] or now["changes"] != self.git["changes"]:
             refuse_dirty({**now, "dirty": True}, self.args.allow_dirty, " (the tree changed during the run)")
             self.git = {**self.git, "at_end": now}
@@ -243,98 +208,71 @@ class Run:
 def start(script: str | os.PathLike, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
           rows: Iterable[str] | None = None, smoke: Mapping[str, Any] | None = None,
           repo: Path = REPO) -> Run:  # fmt: skip
-    """Parse the arguments, shrink them under --smoke, check --repeats and --rows, set the threads, decide the
-    device, and refuse a dirty tree (unless --allow-dirty) before anything is measured."""
-    args = parser.parse_args(argv)
+    """Parse the arguments; under --smoke shrink them (a number to at most SMOKE's, anything else to it; one repeat;
+    --allow-dirty; cpu without CUDA); check --repeats and --rows, set the threads, decide the device, and refuse a
+    dirty tree before anything is measured."""
+    args, changes = parser.parse_args(argv), []
     has_repeats = hasattr(args, "repeats")
-    changes = shrink(args, {**(smoke or {}), **({"repeats": 1} if has_repeats else {})}) if args.smoke else []
+    for key, value in {**(smoke or {}), **({"repeats": 1} if has_repeats else {})}.items() if args.smoke else ():
+        old = getattr(args, key, None)
+        number = isinstance(value, int | float) and not isinstance(value, bool) and isinstance(old, int | float)
+        small = min(old, value) if number else value
+        if small != old:
+            setattr(args, key, small)
+            changes.append(f"{key}={small}")
     args.allow_dirty = args.allow_dirty or args.smoke
     if has_repeats and (args.repeats < 1 or (args.repeats < MIN_REPEATS and not args.smoke)):
         parser.error(f"--repeats {args.repeats}: at least {MIN_REPEATS} (one measures no noise; 1 only with --smoke)")
-    names: list[str] = []
     try:
         names = parse_rows(args.rows, rows) if rows is not None else []
     except ValueError as error:
         parser.error(str(error))
-    if changes:
-        print(f"--smoke: {', '.join(changes)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.smoke and str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        print(f"--smoke: no CUDA here, so cpu instead of --device {args.device}")
         changes.append(f"device=cpu (not {args.device})")
         args.device = "cpu"
+    if changes:
+        print(f"--smoke: {', '.join(changes)}")
     try:
         device = resolve_device(args.device)
     except ValueError as error:
         parser.error(f"--device: {error}")
-    state = git_state(repo)
-    refuse_dirty(state, args.allow_dirty)
+    refuse_dirty(state := git_state(repo), args.allow_dirty)
     return Run(args, Path(script).resolve(), device, names, state, Path(repo).resolve(), changes)
 
 
-# ---------------------------------------------------------------------- the project's objects, as its commands build
-
-
-SAMPLERS = {  # preset -> a conf/sampler/ group and its overrides (the one source: the group's yaml)
-    "ddpm1000": "ddpm steps=null",
-    "ddpm250": "ddpm",
-    "ddim100": "ddim steps=100",
-    "ddim50": "ddim",
-    "ddim20": "ddim steps=20",
-    "ddim4": "ddim steps=4",
-    "dpm++20": "dpm_solver",
-    "dpm++10": "dpm_solver steps=10",
-    "dpm++sde15": "dpm_solver_sde steps=15",
-    "dpm++sde20": "dpm_solver_sde",
-    "dpm++sde25": "dpm_solver_sde steps=25",
-    "dpm++sde25_logsnr": "dpm_solver_sde steps=25 spacing=logsnr",  # uniform in log sigma
-    "edm13": "edm churn=0",  # deterministic Heun, 25 calls
-    "edm13_churn": "edm",  # S_churn 40, 25 calls
-    "restart": "restart",  # 25 calls
-}
-SAMPLER_GROUPS = sorted(p.stem for p in (REPO / "conf" / "sampler").glob("*.yaml"))
-
-
 def sampler(name: str, steps: int | None = None) -> Any:
-    """A preset of SAMPLERS, or a conf/sampler/ group as its yaml says, with `steps` if given: built as sample.py
-    builds `sampler=<group> sampler.key=value` (ddpm.config.build: a refusal names the key)."""
+    """A preset of SAMPLERS, or a conf/sampler/ group, with `steps` if given: built as sample.py builds
+    `sampler=<group> sampler.key=value` (ddpm.config.build: a refusal names the key)."""
     from omegaconf import OmegaConf
 
     from ddpm.config import build
 
     group, *overrides = SAMPLERS.get(name, name).split()
-    if group not in SAMPLER_GROUPS:
-        raise ValueError(f"sampler {name!r}: a preset ({', '.join(SAMPLERS)}) or a group ({', '.join(SAMPLER_GROUPS)})")
-    node = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "sampler" / f"{group}.yaml"), OmegaConf.from_dotlist(
-        [*overrides, *([f"steps={steps}"] if steps is not None else [])]))  # fmt: skip
+    if not (path := REPO / "conf" / "sampler" / f"{group}.yaml").is_file():
+        groups = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"sampler {name!r}: a preset ({', '.join(SAMPLERS)}) or a group ({', '.join(groups)})")
+    overrides += [f"steps={steps}"] if steps is not None else []
+    node = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
     return build(OmegaConf.create({"sampler": node}).sampler)  # under `sampler`: a refusal names sampler.<key>
-
-
-def calls(sampler_: Any) -> int:
-    """Network calls per image trajectory (its network_evaluations(), else its steps; DDPM on all T: 1000)."""
-    return sampler_.network_evaluations() if hasattr(sampler_, "network_evaluations") else sampler_.steps or 1000
 
 
 def draw(net: Any, diffusion: Any, sampler_: Any, count: int, device: torch.device, *, guidance: float = 0.0,
          batch: int | None = None, decode: Callable | None = None, **options: Any) -> Any:  # fmt: skip
     """`count` images as sample.py draws them (labels 0..9 in turn for a conditional model, seed 0 unless given):
-    ddpm.diffusion.generate's Generated. `options`: denoiser_for's (interval, precision, channels_last, compile,
-    compile_backend), generate's (seed, labels). batch: sample.py's batch_size=auto if None. decode: a latent
-    model's VAE decoder (sample.py's), timed with the sampling."""
+    generate()'s Generated. options: denoiser_for's (interval, precision, channels_last, compile, compile_backend),
+    generate's (seed, labels). batch None: sample.py's batch_size=auto. decode: a latent model's VAE decoder."""
     from ddpm.diffusion.generate import class_cycle, denoiser_for, generate
     from ddpm.diffusion.samplers.base import decoded
     from ddpm.sampling.runtime import default_batch_size
 
     batch = batch or default_batch_size(device, guided=guidance != 0)
-    classes = getattr(net, "num_classes", None)
-    labels = options.pop("labels", None)
+    classes, labels, seed = getattr(net, "num_classes", None), options.pop("labels", None), options.pop("seed", 0)
     labels = class_cycle(count, classes) if labels is None and classes is not None else labels
-    seed = options.pop("seed", 0)
     denoiser = denoiser_for(net, diffusion, guidance=guidance, rows=min(batch, count), **options)
-    shape = (count, net.in_channels, net.image_size, net.image_size)
-    return generate(denoiser, decoded(sampler_, decode), shape, labels=labels, seed=seed, batch_size=batch,
-                    device=device)  # fmt: skip
+    return generate(denoiser, decoded(sampler_, decode), (count, net.in_channels, net.image_size, net.image_size),
+                    labels=labels, seed=seed, batch_size=batch, device=device)  # fmt: skip
 
 
 def compose(config: str, overrides: Sequence[str]) -> Any:

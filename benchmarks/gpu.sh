@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# The prepared GPU command of issue 35 (benchmarks/gpu.py) on a lent GPU machine: Python 3.12 with torch, lightning,
-# torchmetrics, safetensors ..., no network, this package not installed.
-#   here, once:  make gpu-wheels                        (.whl/: the wheels that machine lacks, hydra among them)
-#   there:       bash benchmarks/gpu.sh OUT [gpu.py options]     (the device tool: carry .whl, OUT the folder it returns)
-# Installs .whl/*.whl into /tmp/site ($GPU_SITE), puts it and src/ on PYTHONPATH, then runs gpu.py OUT --allow-dirty
-# (that machine's copy of the tree carries older git metadata: the JSON records it) with its log in OUT/gpu.log.
+# The prepared GPU command of issue 35 on a lent GPU machine (no network, this package not installed; docs/benchmarks.md):
+#   here, once: make gpu-wheels (.whl/)    there: bash benchmarks/gpu.sh OUT [gpu.py options]   (carry .whl)
+# Installs .whl/*.whl into $GPU_SITE (/tmp/site), puts it and src/ on PYTHONPATH, runs gpu.py OUT --allow-dirty (that
+# machine's tree carries older git metadata: the JSON records it), its log in OUT/gpu.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site="${GPU_SITE:-/tmp/site}" python="${PYTHON:-python3}"

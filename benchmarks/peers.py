@@ -1,216 +1,143 @@
-"""Training and sampling images/s of this project against the tools a user would pick instead, in one run.
+"""Training and sampling images/s of this project against the tools a user would pick instead, in one run (rows:
+docs/benchmarks.md); the verdict: is ours first beyond the rows' widest spread, and ahead in every repeat?
 
     pip install -e '.[peers]'        # denoising-diffusion-pytorch and diffusers (never needed by make test)
-    python benchmarks/peers.py --repeats 3 [--compile] [--channels-last all]
-
-Rows (--rows), about unet_mnist's 1.11M parameters each, class-conditional, 32x32 MNIST in RAM, one batch for all:
-`ours` the product (loops.Fit on experiment=mnist: callbacks, EMA, loggers; sampling as sample.py draws, DDIM),
-`ours_bare` its objects in loops.Bare (no Lightning, callbacks or EMA; not the product), `dd_pytorch`
-(denoising-diffusion-pytorch's CFG Unet, its Trainer's Adam and clip, its DDIM), `diffusers` (UNet2DModel, its
-train_unconditional loop, a guided DDIMScheduler loop). bf16 only where faster than float32 (precision.fast_bf16).
-Guidance w: eps = (1 + w) eps_cond - w eps_null (the peers' scale 1 + w). One untimed training step and sampling
-batch per row first (warm-up s), then the repeats interleaved; "x ours": each repeat's ratio to ours. The verdict:
-is ours first beyond the rows' widest spread, and ahead in every repeat? --smoke skips a missing peer.
+    python benchmarks/peers.py --repeats 3
 """
 
 import argparse
 import copy
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace as Tool
 from typing import Any
 
 import common
+import loops
 import torch
 import torch.nn.functional as F
-from loops import Bare, Fit, Steps
-from scoring import mnist_or_digits
+from loops import Row
+from mnist_quality import mnist_or_digits
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from ddpm.diffusion.network import compile_network, to_channels_last
+from ddpm.diffusion.generate import to_uint8
+from ddpm.diffusion.network import to_channels_last
 from ddpm.precision import fast_bf16
 from ddpm.sampling.runtime import default_batch_size, resolve_sampling_precision
 
 PEERS_HINT = "pip install -e '.[peers]'"
-SMOKE = {"batch_size": 8, "steps_train": 1, "num_samples": 4, "sample_batch": 4, "steps": 2, "compile_backend": "eager"}
+SMOKE = {"batch_size": 8, "steps_train": 1, "num_samples": 4, "sample_batch": 4, "steps": 2}
 ROWS = {"ours": "lightning-ddpm (Trainer + callbacks)", "ours_bare": "lightning-ddpm, bare loop (no Lightning)",
         "dd_pytorch": "denoising-diffusion-pytorch", "diffusers": "diffusers"}  # fmt: skip
 NUM_CLASSES, CHANNELS, IMAGE_SIZE, TIMESTEPS, P_UNCOND = 10, 1, 32, 1000, 0.1
 DD_PYTORCH_UNET = {"dim": 26, "dim_mults": (1, 2, 2)}  # 1,117,351 parameters (unet_mnist: 1,114,209)
-DIFFUSERS_UNET = {"block_out_channels": (32, 64, 64), "layers_per_block": 1, "norm_num_groups": 8,
-                  "down_block_types": ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D"), "attention_head_dim": 64,
-                  "up_block_types": ("AttnUpBlock2D", "UpBlock2D", "UpBlock2D")}  # fmt: skip  # unet_mnist's layout
+# Each build_<row>(setup) returns a Tool: net and forward(x, t, y) (parameters, FLOPs), options (what it ran with),
+# train(n): seconds of n timed optimizer steps after one untimed, sample(labels): uint8 images on the CPU, or None.
+# setup: args, device, bf16 (autocast / weights only where bf16 is faster than float32), data (MNIST in RAM), folder.
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What every row is built with."""
-
-    args: argparse.Namespace
-    device: torch.device
-    bf16: bool  # bf16 autocast / weights where bf16 is faster than float32
-    data: Any  # ImageSet
-    source: Any  # the same images as a data source (ours: the product's data module reads it)
-    folder: Path  # ours' run folder
-
-    def autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
-    def compiled(self, fn: Callable) -> Callable:
-        return torch.compile(fn, dynamic=False, backend=self.args.compile_backend) if self.args.compile else fn
-
-    def batches(self) -> Iterator[tuple[Tensor, Tensor]]:
-        """Random (uint8 images, labels) batches from RAM; the same sequence for every peer."""
-        generator = torch.Generator().manual_seed(0)
-        while True:
-            index = torch.randint(0, len(self.data.images), (self.args.batch_size,), generator=generator)
-            yield self.data.images[index], self.data.labels[index]
-
-    def config(self, channels_last: bool) -> Any:
-        """experiment=mnist as train.py composes it, sized and set like every other row."""
-        return common.compose("train", [
-            "experiment=mnist", f"data.batch_size={self.args.batch_size}", f"paths.output_dir={self.folder}",
-            f"trainer.precision={'bf16-mixed' if self.bf16 else '32-true'}", f"compile={self.args.compile}",
-            f"trainer.accelerator={'gpu' if self.device.type == 'cuda' else 'cpu'}",
-            f"module.compile_backend={self.args.compile_backend}", f"module.channels_last={channels_last}",
-            # untimed either way, so shrunk: the sanity check and the end-of-fit grid (each step's hook is timed)
-            "trainer.num_sanity_val_steps=0", "callbacks.sample_grid.num_samples=4",
-            "callbacks.sample_grid.sampler.steps=2"])  # fmt: skip
-
-
-@dataclass
-class Tool:
-    """One row: a tool's network, the options it runs with, and its two timed jobs."""
-
-    key: str
-    parameters: int
-    fwd_flops_per_image: float
-    options: list[str]
-    train: Callable[[int], float]  # seconds of n timed optimizer steps, after one untimed step
-    sample: Callable[[Tensor], Tensor] | None  # labels (N,) -> uint8 images (N, C, H, W) on the CPU
+def autocast(setup: Any) -> Any:
+    return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.bf16)
 
 
 def timed_steps(step: Callable[[], object], device: torch.device) -> Callable[[int], float]:
     return lambda steps: (step(), common.timed(lambda: [step() for _ in range(steps)], device)[1])[1]
 
 
-def to_uint8(x: Tensor, low: float) -> Tensor:
-    """Images in [low, 1] -> uint8 [0, 255] on the CPU (what a sampler's caller saves)."""
-    return ((x.float().clamp(low, 1) - low) * (255 / (1 - low))).round().to(torch.uint8).cpu()
+def runner(setup: Any, kind: str, channels_last: bool = False) -> loops.Runner:
+    """experiment=mnist as train.py composes it (the untimed sanity check and end-of-fit grid shrunk), as a row."""
+    row = Row(kind, "bf16" if setup.bf16 else "fp32", channels_last=channels_last, tf32=None)
+    cfg = loops.compose(row, setup.args.batch_size, setup.device, setup.folder, ["experiment=mnist",
+                        "trainer.num_sanity_val_steps=0", "callbacks.sample_grid.num_samples=4",
+                        "callbacks.sample_grid.sampler.steps=2"])  # fmt: skip
+    return loops.Runner(row, cfg, setup.data, setup.device, setup.folder)
 
 
-def forward_flops(forward: Callable[[Tensor, Tensor, Tensor], Any], device: torch.device, n: int = 2) -> float:
-    """FLOPs of one conditional forward pass per image, counted on n images (2 per multiply-add)."""
-    x = torch.randn(n, CHANNELS, IMAGE_SIZE, IMAGE_SIZE, device=device)
-    t, y = torch.randint(0, TIMESTEPS, (n,), device=device), torch.arange(n, device=device) % NUM_CLASSES
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        forward(x, t, y)
-    return counter.get_total_flops() / n
+def build_ours(setup: Any) -> Tool:
+    """The product (a Trainer on experiment=mnist), each step timed from the previous batch's end to its own;
+    sampling: generate with sample.py's defaults (precision auto, NHWC), DDIM."""
+    args, device, ours = setup.args, setup.device, runner(setup, "product")
+    net, ddim, cfg = to_channels_last(ours.net).eval().to(device), common.sampler("ddim", args.steps), ours.fit.cfg
+    options = {"batch": args.sample_batch, "guidance": args.guidance, "precision": resolve_sampling_precision("auto",
+               device)}  # fmt: skip
+    sample = lambda labels: common.draw(net, ours.fit.module.diffusion, ddim, len(labels), device, labels=labels,  # noqa: E731
+                                        **options).images  # fmt: skip
+    described = [f"train: Trainer precision {ours.precision}, module.channels_last false, AdamW, grad clip "
+                 f"{cfg.trainer.gradient_clip_val}, EMA, callbacks: {', '.join(cfg.callbacks)}, loggers: csv, "
+                 "tensorboard", "sample: precision auto, channels_last, DDIM"]  # fmt: skip
+    return Tool(
+        net=ours.net,
+        forward=ours.net,
+        options=described,
+        sample=sample,
+        train=lambda n: ours.window(0, n, clock=True)["step_s"] * n,
+    )
 
 
-def count(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
-
-
-def build_ours(setup: Setup) -> Tool:
-    """The product (loops.Fit on experiment=mnist), each step timed from the previous batch's end to its own."""
-    args = setup.args
-    cfg = setup.config(args.channels_last == "all")
-    fit = Fit(cfg, setup.source, setup.device, setup.folder)
-    net = to_channels_last(fit.net).eval().to(setup.device)
-    net = compile_network(net, args.compile_backend) if args.compile else net
-    options = {
-        "precision": resolve_sampling_precision("auto", setup.device),
-        "compile": args.compile,
-        "compile_backend": args.compile_backend,
-        "batch": args.sample_batch,
-        "guidance": args.guidance,
-    }
-    ddim = common.sampler("ddim", args.steps)
-
-    def train(steps: int) -> float:
-        timer = Steps(setup.device)
-        fit.fit(steps + 1, timer)
-        return sum(timer.spans(0)[0][:steps])
-
-    def sample(labels: Tensor) -> Tensor:
-        return common.draw(net, fit.module.diffusion, ddim, len(labels), setup.device, labels=labels, **options).images
-
-    described = [f"train: Trainer precision {fit.precision}, module.channels_last {cfg.module.channels_last}, AdamW, "
-                 f"grad clip {cfg.trainer.gradient_clip_val}, EMA, callbacks: {', '.join(cfg.callbacks)}, loggers: "
-                 "csv, tensorboard", "sample: precision auto, channels_last, DDIM"]  # fmt: skip
-    described += ["torch.compile"] if args.compile else []
-    return Tool("ours", count(fit.net), forward_flops(fit.net.to(setup.device), setup.device), described, train, sample)
-
-
-def build_ours_bare(setup: Setup) -> Tool:
-    """The same config's objects in loops.Bare: NHWC, no Lightning, callbacks, EMA or logging."""
-    bare = Bare(setup.config(True), setup.source, setup.device, ema=False)
+def build_ours_bare(setup: Any) -> Tool:
+    """The same config's objects in the bare loop: NHWC, no Lightning, callbacks, EMA or logging."""
+    bare = runner(setup, "bare", channels_last=True)
     options = [f"train: bare loop, {'bf16 autocast' if setup.bf16 else 'fp32'}, channels_last, AdamW, grad clip 1.0; "
                "no Lightning, callbacks, EMA or logging"]  # fmt: skip
-    train = lambda steps: (bare.steps(1), bare.steps(steps))[1]  # noqa: E731
-    return Tool("ours_bare", count(bare.net), forward_flops(bare.net, setup.device), options, train, None)
+    return Tool(
+        net=bare.net, forward=bare.net, options=options, train=lambda n: bare.window(1, n)["step_s"] * n, sample=None
+    )
 
 
-def build_dd_pytorch(setup: Setup) -> Tool:
+def build_dd_pytorch(setup: Any) -> Tool:
     """denoising-diffusion-pytorch's CFG Unet + GaussianDiffusion: README loss, its Trainer's Adam and clip."""
     from denoising_diffusion_pytorch import classifier_free_guidance as cfg
 
     cfg.tqdm = partial(cfg.tqdm, disable=True)  # no progress bar per sampled batch
-    args, device, batches = setup.args, setup.device, setup.batches()
+    args, device, batches = setup.args, setup.device, loops.ram_batches(setup.data, setup.args.batch_size)
     unet = cfg.Unet(num_classes=NUM_CLASSES, cond_drop_prob=P_UNCOND, channels=CHANNELS, **DD_PYTORCH_UNET)
     diffusion = cfg.GaussianDiffusion(unet, image_size=IMAGE_SIZE, timesteps=TIMESTEPS, objective="pred_noise",
                                       sampling_timesteps=args.steps, beta_schedule="linear",
                                       ddim_sampling_eta=0.0).to(device)  # fmt: skip
-    flops = forward_flops(partial(unet, cond_drop_prob=0.0), device)
-    layout = torch.channels_last if args.channels_last == "all" else torch.contiguous_format  # not in its docs
-    diffusion = diffusion.to(memory_format=layout)
     sampling = copy.deepcopy(diffusion).eval()
-    for model in (diffusion.model, sampling.model):  # forward_with_cond_scale calls self.forward, not self(...)
-        model.forward = setup.compiled(model.forward)
-    optimizer = torch.optim.Adam(diffusion.parameters(), lr=1e-4, betas=(0.9, 0.99))  # its Trainer's defaults
+    optimizer = torch.optim.Adam(diffusion.parameters(), lr=1e-4, betas=(0.9, 0.99))  # its Trainer's
 
     def step() -> None:
         images, labels = next(batches)
-        images = images.to(device).float().div_(255).contiguous(memory_format=layout)  # [0, 1]: it normalises itself
-        with setup.autocast():
-            loss = diffusion(images, classes=labels.to(device))
+        with autocast(setup):  # images in [0, 1]: it normalises itself
+            loss = diffusion(images.to(device).float().div_(255), classes=labels.to(device))
         loss.backward()
         nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
 
     def sample(labels: Tensor) -> Tensor:
-        with setup.autocast():  # cond_scale: 1 + w (its update is cond - null); rescaled_phi 0: no rescaling
+        with autocast(setup):  # cond_scale: 1 + w (its update is cond - null); rescaled_phi 0: no rescaling
             return torch.cat([to_uint8(sampling.sample(classes=chunk.to(device), cond_scale=1 + args.guidance,
-                                                       rescaled_phi=0.0), 0.0)
+                                                       rescaled_phi=0.0) * 2 - 1).cpu()  # its images: [0, 1]
                               for chunk in labels.split(args.sample_batch)])  # fmt: skip
 
-    precision = ("bf16 autocast" if setup.bf16 else "fp32") + (", channels_last" if args.channels_last == "all" else "")
+    precision = "bf16 autocast" if setup.bf16 else "fp32"
     options = [f"train: {precision}, Adam, grad clip 1.0", f"sample: {precision}, DDIM, separate cond and null calls"]
-    options += ["torch.compile"] if args.compile else []
-    return Tool("dd_pytorch", count(unet), flops, options, timed_steps(step, device), sample)
+    return Tool(
+        net=unet,
+        forward=partial(unet, cond_drop_prob=0.0),
+        options=options,
+        train=timed_steps(step, device),
+        sample=sample,
+    )
 
 
-def build_diffusers(setup: Setup) -> Tool:
-    """diffusers' UNet2DModel + DDPMScheduler as train_unconditional.py trains it (with class labels), DDIM."""
-    from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
+def build_diffusers(setup: Any) -> Tool:
+    """Our network as diffusers' UNet2DModel (loops.make_twin) with its DDPMScheduler, trained as
+    train_unconditional.py trains (with class labels), sampled with a guided DDIMScheduler loop."""
+    from diffusers import DDIMScheduler, DDPMScheduler
     from diffusers.optimization import get_scheduler
-    from diffusers.utils import logging
 
-    args, device, null, batches = setup.args, setup.device, NUM_CLASSES, setup.batches()
-    unet = UNet2DModel(sample_size=IMAGE_SIZE, in_channels=CHANNELS, out_channels=CHANNELS,
-                       num_class_embeds=NUM_CLASSES + 1, **DIFFUSERS_UNET).to(device)  # fmt: skip
-    flops = forward_flops(lambda x, t, y: unet(x, t, class_labels=y), device)
+    args, device, null = setup.args, setup.device, NUM_CLASSES
+    batches = loops.ram_batches(setup.data, args.batch_size)
+    unet = loops.make_twin(common.compose("train", ["experiment=mnist"])).unet
+    unet = unet.to(device, memory_format=torch.channels_last)
     dtype = torch.bfloat16 if setup.bf16 else torch.float32
-    logging.set_verbosity_error()  # "modules to keep in float32: []": .to(dtype) is what torch_dtype would do
-    sampling = setup.compiled(copy.deepcopy(unet).eval().to(dtype=dtype, memory_format=torch.channels_last))
-    unet = unet.to(memory_format=torch.channels_last)
-    model, noise_scheduler = setup.compiled(unet), DDPMScheduler(num_train_timesteps=TIMESTEPS, beta_schedule="linear")
+    sampling = copy.deepcopy(unet).eval().to(dtype)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=TIMESTEPS, beta_schedule="linear")
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=500, num_training_steps=10**6)
     ddim = DDIMScheduler(num_train_timesteps=TIMESTEPS, beta_schedule="linear", timestep_spacing="trailing")
@@ -222,9 +149,9 @@ def build_diffusers(setup: Setup) -> Tool:
         labels = labels.to(device)
         labels = torch.where(torch.rand(labels.shape, device=device) < P_UNCOND, null, labels)  # CFG's label drop
         noise, timesteps = torch.randn_like(clean), torch.randint(0, TIMESTEPS, (clean.shape[0],), device=device)
-        with setup.autocast():
-            noisy = noise_scheduler.add_noise(clean, noise, timesteps)
-            output = model(noisy, timesteps, class_labels=labels, return_dict=False)[0]
+        with autocast(setup):
+            output = unet(noise_scheduler.add_noise(clean, noise, timesteps), timesteps, class_labels=labels,
+                          return_dict=False)[0]  # fmt: skip
         F.mse_loss(output.float(), noise.float()).backward()
         nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
         optimizer.step()
@@ -246,38 +173,27 @@ def build_diffusers(setup: Setup) -> Tool:
             x = torch.randn((len(y), CHANNELS, IMAGE_SIZE, IMAGE_SIZE), device=device, dtype=dtype)
             for t in ddim.timesteps:
                 x = ddim.step(eps(x, t, y), t, x, eta=0.0, return_dict=False)[0]
-            out.append(to_uint8(x, -1.0))
+            out.append(to_uint8(x).cpu())
         return torch.cat(out)
 
     options = [
         f"train: {'bf16 autocast' if setup.bf16 else 'fp32'}, channels_last, AdamW, grad clip 1.0, cosine LR",
         f"sample: UNet in {str(dtype).removeprefix('torch.')}, channels_last, DDIM, one [cond; null] batch",
     ]
-    options += ["torch.compile"] if args.compile else []
-    return Tool("diffusers", count(unet), flops, options, timed_steps(step, device), sample)
+    return Tool(
+        net=unet,
+        forward=lambda x, t, y: unet(x, t, class_labels=y),
+        options=options,
+        sample=sample,
+        train=timed_steps(step, device),
+    )
 
 
-BUILDERS = {"ours": build_ours, "ours_bare": build_ours_bare, "dd_pytorch": build_dd_pytorch,
-            "diffusers": build_diffusers}  # fmt: skip
-
-
-def build(names: list[str], setup: Setup) -> dict[str, Tool]:
-    """Every row's tool; a missing peer stops the run (a comparison without it is another one), except under
-    --smoke, which skips it and says so."""
-    tools = {}
-    for name in names:
-        torch.manual_seed(0)
-        try:
-            tools[name] = BUILDERS[name](setup)
-        except ImportError as error:
-            if name.startswith("ours"):
-                raise
-            if not setup.args.smoke:
-                raise SystemExit(
-                    f"{ROWS[name]} is missing ({error}): {PEERS_HINT}, or leave it out of --rows"
-                ) from error
-            print(f"--smoke: skipping {name}: {ROWS[name]} is not installed ({error}); {PEERS_HINT}")
-    return tools
+def forward_flops(forward: Callable[[Tensor, Tensor, Tensor], Any], device: torch.device, n: int = 2) -> float:
+    """FLOPs of one conditional forward pass per image, counted on n images (2 per multiply-add)."""
+    x, y = torch.randn(n, CHANNELS, IMAGE_SIZE, IMAGE_SIZE, device=device), torch.arange(n, device=device) % NUM_CLASSES
+    with torch.no_grad():
+        return loops.flops(lambda: forward(x, torch.randint(0, TIMESTEPS, (n,), device=device), y)) / n
 
 
 def verdict(results: list[dict[str, Any]], column: str, ours: str = "ours") -> dict[str, Any] | None:
@@ -313,26 +229,16 @@ def show(results: list[dict[str, Any]]) -> str:
         runs, base = r[f"{column}_runs"], ours.get(f"{column}_runs")
         if not runs:
             return ["n/a", ""]
-        ratio = f"{common.paired_ratios({'r': runs, 'o': base}, 'o')['r']['median']:.2f}x" if base else "n/a"
-        return [f"{r[f'{column}_images_per_s']:.1f} [{min(runs):.1f}-{max(runs):.1f}]", ratio]
+        ratio = base and common.paired_ratios({"r": runs, "o": base}, "o")["r"]["median"]
+        return [f"{r[f'{column}_images_per_s']:.1f} [{min(runs):.1f}-{max(runs):.1f}]", ratio and f"{ratio:.2f}x"]
 
-    rows = [
-        [
-            r["tool"],
-            f"{r['parameters']:,}",
-            f"{r['fwd_flops_per_image'] / 1e6:.1f}",
-            *cells(r, "train"),
-            *cells(r, "sample"),
-            f"{r['warmup_train_s']:.1f}+{r['warmup_sample_s']:.1f}",
-        ]
-        for r in results
-    ]
-    head = ["tool", "params", "MFLOP/img", "train img/s [min-max]", "x ours", "sample img/s [min-max]", "x ours",
-            "warm-up s"]  # fmt: skip
+    rows = [[r["tool"], f"{r['parameters']:,}", f"{r['fwd_flops_per_image'] / 1e6:.1f}", *cells(r, "train"),
+             *cells(r, "sample")] for r in results]  # fmt: skip
+    head = ["tool", "params", "MFLOP/img", "train img/s [min-max]", "x ours", "sample img/s [min-max]", "x ours"]
     return "\n".join([common.table(head, rows), *(f"  {r['tool']}: {'; '.join(r['options'])}" for r in results)])
 
 
-def parse(argv: list[str] | None) -> common.Run:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--batch-size", type=int, default=128, help="training batch, the same for every tool")
@@ -341,42 +247,34 @@ def parse(argv: list[str] | None) -> common.Run:
     add("--sample-batch", type=int, default=None, help="images per sampling batch (default: sample.py's)")
     add("--steps", type=int, default=20, help="DDIM steps")
     add("--guidance", type=float, default=3.0, help="w: eps = (1 + w) eps_cond - w eps_null")
-    add("--compile", action="store_true", help="torch.compile every tool's network")
-    add("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
-    add("--channels-last", choices=["documented", "all"], default="documented",
-        help="documented: each tool's own layout advice; all: every network and job channels_last")  # fmt: skip
     add("--data-root", default=common.MNIST_ROOT, help="MNIST IDX folder (else scikit-learn's digits)")
     common.add_arguments(p, rows=list(ROWS), device="cpu")
     run = common.start(__file__, p, argv, rows=ROWS, smoke=SMOKE)
-    args = run.args
-    if min(args.batch_size, args.steps_train, args.num_samples, args.steps, args.sample_batch or 1) < 1:
-        p.error("--batch-size, --steps-train, --num-samples, --sample-batch, --steps must be >= 1")
-    if not 1 <= args.steps < TIMESTEPS or args.guidance < 0:
-        p.error(f"--steps must be in 1..{TIMESTEPS - 1} (DDIM) and --guidance >= 0")
-    args.sample_batch = args.sample_batch or default_batch_size(run.device, guided=args.guidance > 0)
-    if args.compile and args.num_samples > args.sample_batch and args.num_samples % args.sample_batch:
-        p.error("with --compile, --num-samples must be a multiple of --sample-batch (a partial last batch would "
-                "recompile the peers' networks inside the timing)")  # fmt: skip
-    return run
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = parse(argv)
     args, device = run.args, run.device
+    if min(args.batch_size, args.steps_train, args.num_samples, args.sample_batch or 1) < 1 or args.guidance < 0:
+        p.error("--batch-size, --steps-train, --num-samples, --sample-batch must be >= 1, --guidance >= 0")
+    if not 1 <= args.steps < TIMESTEPS:
+        p.error(f"--steps must be in 1..{TIMESTEPS - 1} (DDIM)")
+    args.sample_batch = args.sample_batch or default_batch_size(device, guided=args.guidance > 0)
     source, data_name = mnist_or_digits(args.data_root, allow_digits=True)
-    labels = torch.arange(args.num_samples) % NUM_CLASSES
+    labels, tools = torch.arange(args.num_samples) % NUM_CLASSES, {}
     with tempfile.TemporaryDirectory() as folder:
-        data = source.load(image_size=IMAGE_SIZE, channels=CHANNELS)
-        setup = Setup(args, device, fast_bf16(device.type), data, source, Path(folder))
-        tools, warm = build(run.rows, setup), {}
-        for name, tool in tools.items():  # untimed: kernel set-up, with --compile the compilation
-            began = time.perf_counter()
-            tool.train(0)
-            trained = time.perf_counter()
-            if tool.sample is not None:
-                tool.sample(labels[: min(args.sample_batch, args.num_samples)])
-            warm[name] = {"warmup_train_s": trained - began, "warmup_sample_s": time.perf_counter() - trained}
-            print(f"built {name}: {tool.parameters:,} parameters; warm-up {warm[name]}", flush=True)
+        setup = Tool(args=args, device=device, bf16=fast_bf16(device.type), folder=Path(folder),
+                     data=source.load(image_size=IMAGE_SIZE, channels=CHANNELS))  # fmt: skip
+        for name in run.rows:  # a missing peer stops the run (without it, another comparison), except under --smoke
+            torch.manual_seed(0)
+            try:
+                tools[name] = globals()[f"build_{name}"](setup)
+            except ImportError as error:
+                if name.startswith("ours") or not args.smoke:
+                    raise SystemExit(
+                        f"{ROWS[name]} is missing ({error}): {PEERS_HINT}, or leave it out of --rows"
+                    ) from error
+                print(f"--smoke: skipping {name}: {ROWS[name]} is not installed ({error}); {PEERS_HINT}")
+                continue
+            tools[name].train(1)  # untimed: kernel set-up
+            if tools[name].sample is not None:
+                tools[name].sample(labels[: min(args.sample_batch, args.num_samples)])
 
         def measure(name: str, _repeat: int) -> tuple[float, float | None]:
             tool = tools[name]
@@ -388,8 +286,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       lambda r: f"train {r[0]:.1f}, sample {r[1] or 0:.2f} images/s")  # fmt: skip
     results = []
     for n, tool in tools.items():
-        row = {"key": n, "tool": ROWS[n], "parameters": tool.parameters, "options": tool.options,
-               "fwd_flops_per_image": tool.fwd_flops_per_image, **warm[n]}  # fmt: skip
+        row = {"key": n, "tool": ROWS[n], "parameters": sum(p.numel() for p in tool.net.parameters()),
+               "options": tool.options, "fwd_flops_per_image": forward_flops(tool.forward, device)}  # fmt: skip
         for column, values in (("train", [t for t, _ in runs[n]]), ("sample", [s for _, s in runs[n] if s])):
             s = common.stats(values) if values else None
             row.update({f"{column}_images_per_s": s and s["median"], f"{column}_runs": values,

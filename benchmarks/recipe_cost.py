@@ -1,17 +1,8 @@
-"""Training cost of the MNIST recipes against experiment=mnist, as CPU time side by side:
+"""Training cost of the MNIST recipes against experiment=mnist: each row a real `python train.py` in strict float32
+eager, interleaved; the figure is the median logged train/images_per_sec; with after, vae and latent rows, the latent
+recipe's share of experiment=mnist's training compute (docs/latent.md). Rows and columns: docs/benchmarks.md.
 
-    python benchmarks/recipe_cost.py --repeats 3
     python benchmarks/recipe_cost.py --rows after,vae,latent --latents latents/mnist --repeats 3
-
-Rows, each a real `python train.py` subprocess in strict float32 eager (`trainer.precision=32-true compile=false`),
-same seed, no validation, grids or checkpoints: `before`, experiment=mnist's recipe at 2b99e39 written out as
-overrides (BEFORE); `after`, experiment=mnist as committed; `vae`, experiment=mnist_vae; `latent`,
-experiment=mnist_latent on the encoded folder --latents. Figure: the median of the run's logged
-`train/images_per_sec` after the first --skip logged values; "vs first": each repeat's ratio to the first row in
-the same repeat. Every row trains batches of 64 (--batch-size), so a step's cost is 1 / images/s. With after, vae
-and latent: the latent recipe's share of experiment=mnist's training compute, per repeat, (vae steps / vae images/s
-+ latent steps / latent images/s) / (mnist steps / mnist images/s), with each experiment's max_steps.
---smoke: 6 steps of 8 images.
 """
 
 import argparse
@@ -31,38 +22,21 @@ BEFORE = {  # conf/experiment/mnist.yaml at 2b99e39, which the study started fro
 ROWS = {"before": BEFORE, "after": {}, "vae": {}, "latent": {}}
 EXPERIMENTS = {"before": "mnist", "after": "mnist", "vae": "mnist_vae", "latent": "mnist_latent"}
 FIXED = ["trainer.precision=32-true", "compile=false", "trainer.limit_val_batches=0", "callbacks.checkpoint=null"]
-GRID = {"vae": "callbacks.vae_grid=null"}  # the cost the goal is stated in, and nothing but steps
 
 
-def data(row: str, args: argparse.Namespace) -> list[str]:
-    """The row's data: the MNIST files (digits under --smoke without them), or the encoded --latents."""
+def overrides(row: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The row's train.py command: its experiment and data (MNIST, digits under --smoke without it, or the encoded
+    --latents), FIXED, no grid (the goal's cost is steps alone), the row's keys, the sizes."""
     if row == "latent":
-        return [f"data.root={args.latents}"]
-    if Path(args.data_root).is_dir():
-        return [f"data.root={args.data_root}"]
-    return ["data=digits", *(["data.image_size=32", "data.channels=1"] if row == "vae" else [])]
-
-
-def latent_share(runs: dict[str, list[float]]) -> dict | None:
-    """Per repeat: the latent recipe's training compute (VAE + latent steps) / experiment=mnist's."""
-    if not {"after", "vae", "latent"} <= runs.keys():
-        return None
-    steps = {row: common.compose("train", [f"experiment={EXPERIMENTS[row]}"]).trainer.max_steps for row in runs}
-    shares = [(steps["vae"] / v + steps["latent"] / lat) / (steps["after"] / a)
-              for a, v, lat in zip(runs["after"], runs["vae"], runs["latent"], strict=True)]  # fmt: skip
-    return {"share": common.stats(shares), "steps": {row: steps[row] for row in ("after", "vae", "latent")}}
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150, help="training steps per run")
-    p.add_argument("--batch-size", type=int, default=64, help="data.batch_size (experiment=mnist: 64)")
-    p.add_argument("--skip", type=int, default=4, help="logged images/s values left out at the start")
-    p.add_argument("--log-every", type=int, default=5, help="trainer.log_every_n_steps")
-    p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX files")
-    p.add_argument("--latents", help="the encoded folder of the latent row (python -m ddpm.data.encode ... out=)")
-    common.add_arguments(p, rows=list(ROWS), default_rows=["before", "after"], repeats=3)
-    return p
+        data = [f"data.root={args.latents}"]
+    elif Path(args.data_root).is_dir():
+        data = [f"data.root={args.data_root}"]
+    else:
+        data = ["data=digits", *(["data.image_size=32", "data.channels=1"] if row == "vae" else [])]
+    grid = "callbacks.vae_grid=null" if row == "vae" else "callbacks.sample_grid=null"
+    return [f"experiment={EXPERIMENTS[row]}", *data, *FIXED, grid, *(f"{k}={v}" for k, v in ROWS[row].items()),
+            f"trainer.max_steps={args.steps}", f"hydra.run.dir={out}", f"data.batch_size={args.batch_size}",
+            f"trainer.log_every_n_steps={args.log_every}"]  # fmt: skip
 
 
 def images_per_sec(out: Path, skip: int) -> float:
@@ -76,33 +50,38 @@ def images_per_sec(out: Path, skip: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = common.start(__file__, parser(), argv, rows=ROWS, smoke=SMOKE)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=150, help="training steps per run")
+    p.add_argument("--batch-size", type=int, default=64, help="data.batch_size (experiment=mnist: 64)")
+    p.add_argument("--skip", type=int, default=4, help="logged images/s values left out at the start")
+    p.add_argument("--log-every", type=int, default=5, help="trainer.log_every_n_steps")
+    p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX files")
+    p.add_argument("--latents", help="the encoded folder of the latent row (python -m ddpm.data.encode ... out=)")
+    common.add_arguments(p, rows=list(ROWS), default_rows=["before", "after"], repeats=3)
+    run = common.start(__file__, p, argv, rows=ROWS, smoke=SMOKE)
     args = run.args
     if "latent" in run.rows and not args.latents:
         raise SystemExit("--rows latent needs --latents <encoded folder> (python -m ddpm.data.encode ... out=)")
     with tempfile.TemporaryDirectory(prefix="recipe_cost_") as tmp:
 
         def measure(row: str, repeat: int) -> float:
-            out = Path(tmp) / f"{row}_{repeat}"
-            grid = GRID.get(row, "callbacks.sample_grid=null")
-            common.entry_point("train.py", [f"experiment={EXPERIMENTS[row]}", *data(row, args), *FIXED, grid,
-                                            *(f"{k}={v}" for k, v in ROWS[row].items()),
-                                            f"trainer.max_steps={args.steps}", f"hydra.run.dir={out}",
-                                            f"data.batch_size={args.batch_size}",
-                                            f"trainer.log_every_n_steps={args.log_every}"], args.threads)  # fmt: skip
-            return images_per_sec(out, args.skip)
+            common.entry_point("train.py", overrides(row, args, Path(tmp) / f"{row}_{repeat}"), args.threads)
+            return images_per_sec(Path(tmp) / f"{row}_{repeat}", args.skip)
 
         runs = common.run_interleaved(run.rows, args.repeats, measure, lambda v: f"{v:.1f} images/s")
-    ratios = common.paired_ratios(runs, run.rows[0])
+    ratios, share = common.paired_ratios(runs, run.rows[0]), None
     rows = {name: {"images_per_sec": common.stats(v), "vs_first": ratios[name]} for name, v in runs.items()}
     print(common.table(["row (our Trainer, float32 eager)", "images/s", f"vs {run.rows[0]}"],
                        [[n, common.figure(r["images_per_sec"], ".1f"), common.figure(r["vs_first"], ".3f")]
                         for n, r in rows.items()]))  # fmt: skip
-    share = latent_share(runs)
-    if share:
+    if {"after", "vae", "latent"} <= runs.keys():  # per repeat: (VAE + latent steps' time) / experiment=mnist's
+        steps = {r: common.compose("train", [f"experiment={EXPERIMENTS[r]}"]).trainer.max_steps for r in runs}
+        share = {"share": common.stats((steps["vae"] / v + steps["latent"] / lat) / (steps["after"] / a) for a, v, lat
+                                       in zip(runs["after"], runs["vae"], runs["latent"], strict=True)),
+                 "steps": {row: steps[row] for row in ("after", "vae", "latent")}}  # fmt: skip
         print(
-            f"mnist_latent's training compute (VAE {share['steps']['vae']} + latent {share['steps']['latent']} "
-            f"steps) / experiment=mnist's ({share['steps']['after']} steps): {common.figure(share['share'], '.3f')}"
+            f"mnist_latent's training compute (VAE {steps['vae']} + latent {steps['latent']} steps) / "
+            f"experiment=mnist's ({steps['after']} steps): {common.figure(share['share'], '.3f')}"
         )
     report = {"rows": rows, "before": BEFORE, "fixed": FIXED, "steps": args.steps, "batch_size": args.batch_size,
               "latent_share": share}  # fmt: skip

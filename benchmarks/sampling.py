@@ -1,22 +1,9 @@
-"""Sampling speed (images/s), row by row, all rows measured in one run: generate's options in this process, and the
-whole `python sample.py` command as a subprocess (before and after the sampling defaults of issues 12 and 18).
+"""Sampling speed (images/s), the one script: generate()'s options row by row in this process, and the whole
+`python sample.py` as a subprocess (needs --ckpt; gpu.py's sampling part is its `now` row), all rows interleaved in
+one run; --classifier scores each in-process row (mnist_quality.py). Rows and columns: docs/benchmarks.md.
 
-    python benchmarks/sampling.py --model unet_mnist --num-samples 512 --sampler ddim --steps 20 --repeats 3
+    python benchmarks/sampling.py --model unet_mnist --num-samples 512 --sampler ddim20 --repeats 3
     python benchmarks/sampling.py --ckpt outputs/<mnist run>/ema.pt --rows before,ddpm250,now --num-samples 64
-
-In this process, on one network (--ckpt's EMA weights, or --model's preset with random weights), --sampler (a
-preset of common.SAMPLERS or a conf/sampler/ group; --steps overrides its steps): fp32_eager (float32, NCHW, eager,
-batch 256), bf16 (bf16 network calls), channels_last (NHWC), compile (torch.compile, a partial batch padded),
-bf16_compile; defaults / defaults_compile (sample.py's: batch_size auto, precision auto, NHWC); defaults_decoded
-(defaults, a latent --ckpt's samples decoded by its VAE: the decoder's cost beside defaults); fp32_batch_auto,
-fp32_nhwc_batch_auto, fp32_compile_batch_auto (float32 at sample.py's batch). A row's first use of a network is one
-untimed batch (kernel set-up; compiled: the compile, reported as compile s). With --classifier each row's images get
-a cfid [95%] (scoring.py), and rows drawing the noise of the first row (same batch) are compared with its images:
-the fraction of uint8 values that differ, their mean and largest difference.
-sample.py, end to end (needs --ckpt; --sampler does not apply, --set KEY=VALUE adds an override to each): before
-(DDPM on all T steps, float32, NCHW, batch 256), ddpm250 (`sampler=ddpm`, the default between issues 12 and 18),
-now (no options), now_compile (`compile=true`); images/s is sample.py's own figure, wall s the whole process.
-"vs first": each repeat's images/s over the first row's in the same repeat. --smoke: 4 images, 2 sampler steps.
 """
 
 import argparse
@@ -74,7 +61,6 @@ ROWS: dict[str, Row | dict[str, str]] = {
     "now_compile": {"compile": "true"},
 }
 IN_PROCESS = [name for name, row in ROWS.items() if isinstance(row, Row)]
-DEFAULT_ROWS = [name for name in IN_PROCESS if not ROWS[name].decode]
 PRINTED = re.compile(
     r"(?P<n>\d+) images in (?P<s>[\d.]+) s \((?P<ips>[\d.]+) images/s, (?P<nfe>\d+) network evaluations per batch; "
     r"batch (?P<batch>\d+), precision (?P<precision>\w+)(?P<rest>[^)]*)\)"
@@ -82,43 +68,44 @@ PRINTED = re.compile(
 
 
 def load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
-    """The checkpoint's EMA network, or a preset from conf/model/ with random weights (and the default schedule); a
-    latent model's VAE (else None)."""
+    """--ckpt's EMA network, diffusion and VAE decoder (a latent model's, else None), or --model's preset with random
+    weights (not zero-initialised outputs: realistic images for the sampler's clipping) and the default schedule."""
     if args.ckpt:
         loaded = load_model(args.ckpt, device)
         return loaded.net.eval(), loaded.diffusion, load_decoder(loaded.config.get("latent"), device)
     torch.manual_seed(0)
     conf = OmegaConf.load(common.REPO / "conf" / "model" / f"{args.model}.yaml")
     net = instantiate(conf, **({"num_classes": 10} if args.guidance and conf.get("num_classes") is None else {}))
-    with torch.no_grad():  # random, not zero-initialised, output: realistic images for the sampler's clipping
+    with torch.no_grad():
         for p in net.parameters():
             p.add_(0.02 * torch.randn_like(p))
     return net.to(device).eval(), GaussianDiffusion(), None
 
 
 class InProcess:
-    """Draws rows on one network: each layout's copy made once, each compiled shape compiled once."""
+    """Draws rows on one network: each layout's copy made once, each compiled shape compiled once; a row's first use
+    of a network is one untimed batch (kernel set-up; compiled: the compile, kept as compile_s)."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.net, self.diffusion, self.vae = load(args, device)
-        self.args, self.device, self.eager, self.networks = args, device, {}, {}
+        self.args, self.device, self.networks, self.eager = args, device, {}, {}
         self.sampler = common.sampler(args.sampler, args.steps)
 
-    def __call__(self, name: str, _repeat: int) -> dict[str, Any]:
-        row, args, net = ROWS[name], self.args, self.net
+    def __call__(self, name: str) -> dict[str, Any]:
+        row, args = ROWS[name], self.args
         if row.decode and self.vae is None:
             raise SystemExit(f"row {name} decodes a latent model's samples: give --ckpt a run trained on latents")
-        guidance = args.guidance if net.num_classes is not None else 0.0
+        guidance = args.guidance if self.net.num_classes is not None else 0.0
         batch = row.batch_size or default_batch_size(self.device, guided=guidance != 0)
         precision = resolve_sampling_precision(row.precision, self.device)
-        n = min(batch, args.num_samples)  # the network batch: nothing recompiles while timed
-        if row.channels_last not in self.eager:
-            self.eager[row.channels_last] = to_channels_last(net) if row.channels_last else net
-        key, compile_s = (row.channels_last, row.compile, n, precision), None
-        decode = self.vae.decode if row.decode else None
+        n, compile_s = min(batch, args.num_samples), None  # n: the network's batch; nothing recompiles while timed
         options = {"guidance": guidance, "batch": batch, "precision": precision, "compile": row.compile,
-                   "compile_backend": args.compile_backend, "decode": decode}  # fmt: skip
-        if key not in self.networks:  # first use: one untimed batch (kernel set-up; compiled: the compile)
+                   "compile_backend": args.compile_backend,
+                   "decode": self.vae.decode if row.decode else None}  # fmt: skip
+        key = (row.channels_last, row.compile, n, precision)
+        if key not in self.networks:
+            if row.channels_last not in self.eager:
+                self.eager[row.channels_last] = to_channels_last(self.net) if row.channels_last else self.net
             eager = self.eager[row.channels_last]
             self.networks[key] = compile_network(eager, args.compile_backend) if row.compile else eager
             first = common.draw(self.networks[key], self.diffusion, self.sampler, n, self.device, **options)
@@ -129,29 +116,26 @@ class InProcess:
                 "labels": out.labels}  # fmt: skip
 
 
-def sample_py(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One `python sample.py` for row `name`: its printed figures and its wall seconds."""
-    overrides = {"ckpt": args.ckpt, "num_samples": args.num_samples, "guidance": args.guidance, "seed": 0,
-                 "device": args.device, "output_dir": out, "hydra.run.dir": out, **ROWS[name],
-                 **dict(item.split("=", 1) for item in args.set)}  # fmt: skip
-    stdout, wall = common.entry_point("sample.py", [f"{k}={v}" for k, v in overrides.items()], args.threads)
+def sample_py(overrides: dict[str, Any], threads: int | None = None) -> dict[str, Any]:
+    """One `python sample.py overrides...`: its printed figures (images/s of its sampling loop) and wall seconds."""
+    stdout, wall = common.entry_point("sample.py", [f"{k}={v}" for k, v in overrides.items()], threads)
     found = PRINTED.search(stdout)
     if found is None:
-        raise SystemExit(f"row {name}: sample.py printed no '<n> images in <s> s' line:\n{stdout[-2000:]}")
+        raise SystemExit(f"sample.py printed no '<n> images in <s> s' line:\n{stdout[-2000:]}")
     seconds = float(found["s"]) or int(found["n"]) / float(found["ips"])  # printed to 0.1 s; images/s to 0.01
-    return {"row": name, "overrides": ROWS[name], "nfe": int(found["nfe"]), "batch_size": int(found["batch"]),
-            "precision": found["precision"], "options": found["rest"].strip(", "), "compile_s": None,
-            "images_per_s": int(found["n"]) / seconds, "seconds": seconds, "wall_s": wall}  # fmt: skip
+    return {"nfe": int(found["nfe"]), "batch_size": int(found["batch"]), "precision": found["precision"],
+            "options": found["rest"].strip(", "), "compile_s": None, "images_per_s": int(found["n"]) / seconds,
+            "seconds": seconds, "wall_s": wall}  # fmt: skip
 
 
 def score(results: list[dict], args: argparse.Namespace, device: torch.device) -> None:
     """cfid [95%] of every in-process row's images, and their difference to the first row's (the same noise where
     the batch is the same), added to the rows."""
-    from scoring import Scorer
+    from mnist_quality import Scorer
 
     drawn = [r for r in results if "images" in r]
+    first = drawn[0]["images"]
     with tempfile.TemporaryDirectory() as tmp:
-        first = drawn[0]["images"]
         scorer = Scorer(classifier=args.classifier, data_root=args.data_root, smoke=args.smoke, folder=Path(tmp),
                         device=device, num=len(first), resamples=args.resamples, epochs=args.classifier_epochs,
                         image_size=first.shape[-1], channels=first.shape[1])  # fmt: skip
@@ -163,60 +147,37 @@ def score(results: list[dict], args: argparse.Namespace, device: torch.device) -
                                     "max": int(diff.max())}  # fmt: skip
 
 
-def summarise(runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
-    """Each row's first repeat (its images and settings) with the images/s of every repeat and the paired ratios."""
-    ips = {name: [r["images_per_s"] for r in rs] for name, rs in runs.items()}
-    vs = common.paired_ratios(ips, next(iter(runs)))
-    results = []
-    for name, rs in runs.items():
-        s = common.stats(ips[name])
-        walls = {"wall_s_runs": [r["wall_s"] for r in rs]} if "wall_s" in rs[0] else {}
-        results.append({**rs[0], "images_per_s": s["median"], "images_per_s_min": s["min"],
-                        "images_per_s_max": s["max"], "images_per_s_runs": s["runs"], "vs_first": vs[name],
-                        "compile_s": next((r["compile_s"] for r in rs if r["compile_s"]), None), **walls})  # fmt: skip
-    return results
-
-
 def show(results: list[dict]) -> str:
-    head = ["row", "calls", "batch", "precision, options", "images/s [min-max]", "vs first [min-max]", "compile s",
-            "wall s", "cfid [95%]", "values differ", "mean / max"]  # fmt: skip
     rows = []
     for r in results:
-        ips = {"median": r["images_per_s"], "min": r["images_per_s_min"], "max": r["images_per_s_max"]}
-        options = (
-            r["options"]
-            if "options" in r
-            else f"{'NHWC' if r['channels_last'] else 'NCHW'}" + (", compiled" if r["compile"] else "")
-        )
-        fid = r.get("cfid") and f"{r['cfid']['value']:.2f} [{r['cfid']['low']:.2f}, {r['cfid']['high']:.2f}]"
-        px = r.get("pixels_vs_first")
-        wall = statistics.median(r["wall_s_runs"]) if "wall_s_runs" in r else None
-        rows.append([r["row"], r["nfe"], r["batch_size"], f"{r['precision']} {options}", common.figure(ips, ".3f"),
-                     common.figure(r["vs_first"]) + "x", r["compile_s"], wall, fid,
-                     px and f"{px['differ']:.2%}", px and f"{px['mean']:.2f} / {px['max']}"])  # fmt: skip
-    return common.table(head, rows)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=None, help="a run's ema.pt/.ckpt/export folder (else --model, random)")
-    p.add_argument("--model", default="unet_mnist", help="a preset in conf/model/ (random weights)")
-    p.add_argument("--sampler", default="ddim20", help=f"a preset ({', '.join(common.SAMPLERS)}) or a conf group")
-    p.add_argument("--steps", type=int, default=None, help="the sampler's steps (default: the preset's)")
-    p.add_argument("--num-samples", type=int, default=512, help="images per row and repeat")
-    p.add_argument("--guidance", type=float, default=0.0, help="classifier-free guidance (conditional)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a sample.py override (its rows)")
-    p.add_argument("--classifier", default=None, help="score each row with this MNIST classifier (trained if missing)")
-    p.add_argument("--classifier-epochs", type=int, default=4, help="epochs of a classifier trained here")
-    p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST (the cfid reference)")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the cfid interval")
-    common.add_arguments(p, rows=list(ROWS), default_rows=DEFAULT_ROWS)
-    return p
+        layout = ("NHWC" if r.get("channels_last") else "NCHW") + (", compiled" if r.get("compile") else "")
+        options = r.get("options", layout)
+        fid, px = r.get("cfid"), r.get("pixels_vs_first")
+        rows.append([r["row"], r["nfe"], r["batch_size"], f"{r['precision']} {options}",
+                     common.figure(r, ".3f", "images_per_s"), common.figure(r["vs_first"]) + "x", r["compile_s"],
+                     statistics.median(r["wall_s_runs"]) if "wall_s_runs" in r else None,
+                     fid and f"{fid['value']:.2f} [{fid['low']:.2f}, {fid['high']:.2f}]", px and f"{px['differ']:.2%}",
+                     px and f"{px['mean']:.2f} / {px['max']}"])  # fmt: skip
+    return common.table(["row", "calls", "batch", "precision, options", "images/s [min-max]", "vs first [min-max]",
+                         "compile s", "wall s", "cfid [95%]", "values differ", "mean / max"], rows)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--ckpt", default=None, help="a run's ema.pt/.ckpt/export folder (else --model, random)")
+    add("--model", default="unet_mnist", help="a preset in conf/model/ (random weights)")
+    add("--sampler", default="ddim20", help=f"a preset ({', '.join(common.SAMPLERS)}) or a conf/sampler/ group")
+    add("--steps", type=int, default=None, help="the sampler's steps (default: the preset's)")
+    add("--num-samples", type=int, default=512, help="images per row and repeat")
+    add("--guidance", type=float, default=0.0, help="classifier-free guidance (conditional)")
+    add("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="a sample.py override (its rows)")
+    add("--classifier", default=None, help="score each row with this MNIST classifier (trained if missing)")
+    add("--classifier-epochs", type=int, default=4, help="epochs of a classifier trained here")
+    add("--data-root", default=common.MNIST_ROOT, help="MNIST (the cfid reference)")
+    add("--resamples", type=int, default=1000, help="bootstrap resamples of the cfid interval")
+    common.add_arguments(p, rows=list(ROWS), default_rows=[n for n in IN_PROCESS if not ROWS[n].decode])
     run = common.start(__file__, p, argv, rows=ROWS, smoke=SMOKE)
     args = run.args
     args.set += ["sampler.steps=2"] if args.smoke else []
@@ -228,22 +189,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
 
         def measure(name: str, repeat: int) -> dict[str, Any]:
-            return (
-                in_process(name, repeat)
-                if name in IN_PROCESS
-                else sample_py(name, args, Path(tmp) / f"{name}_{repeat}")
-            )
+            if name in IN_PROCESS:
+                return in_process(name)
+            out = Path(tmp) / f"{name}_{repeat}"
+            overrides = {"ckpt": args.ckpt, "num_samples": args.num_samples, "guidance": args.guidance, "seed": 0,
+                         "device": args.device, "output_dir": out, "hydra.run.dir": out, **ROWS[name],
+                         **dict(item.split("=", 1) for item in args.set)}  # fmt: skip
+            return {"row": name, "overrides": ROWS[name], **sample_py(overrides, args.threads)}
 
         runs = common.run_interleaved(run.rows, args.repeats, measure, lambda r: f"{r['images_per_s']:.3f} images/s")
-    results = summarise(runs)
+    vs = common.paired_ratios({n: [r["images_per_s"] for r in rs] for n, rs in runs.items()}, run.rows[0])
+    results = [{**rs[0], **common.rate(r["images_per_s"] for r in rs), "vs_first": vs[n],
+                "compile_s": next((r["compile_s"] for r in rs if r["compile_s"]), None),
+                **({"wall_s_runs": [r["wall_s"] for r in rs]} if "wall_s" in rs[0] else {})}
+               for n, rs in runs.items()]  # fmt: skip
     if args.classifier and in_process is not None:
         score(results, args, run.device)
     for r, key in ((r, key) for r in results for key in ("images", "labels")):
         r.pop(key, None)
     label = Path(args.ckpt).stem if args.ckpt else args.model
-    net = in_process.net if in_process else None
     report = {"model": label, "sampler": args.sampler, "steps": args.steps, "args": vars(args), "rows": results,
-              "parameters": net and sum(p.numel() for p in net.parameters())}  # fmt: skip
+              "parameters": in_process and sum(p.numel() for p in in_process.net.parameters())}  # fmt: skip
     print(show(results))
     run.write(report, f"sampling_{label}_{run.device.type}.json")
     return report

@@ -1,16 +1,9 @@
-"""Soak: does a long training run's resident memory grow? (issue 36: a benchmark, not a timed test)
+"""Soak: does a long training run's resident memory grow? (issue 36: a benchmark, not a timed test). Runs the default
+experiment (`python train.py`: digits) for --steps steps with validation, checkpoints and grids, reads the resident
+memory of the process and its children and the step it has logged every --interval s, and reports the growth from
+the warm-up to the end of training (docs/reliability.md). Extra Hydra overrides follow `--`.
 
     python benchmarks/soak.py --steps 20000
-
-Runs the default experiment (`python train.py`: digits) for --steps steps, validating and checkpointing every
---val-every / --ckpt-every steps, a sample grid every --grid-every (the experiment's own: 500, 500, 1500; here 500,
-500, 1000), on the CPU unless --device says otherwise. Every --interval s it reads the resident memory of the
-training process and its children (VmRSS of /proc/<pid>/status, summed) and the step the run has logged
-(csv/metrics.csv, written every 100 steps: the step lags by at most that). Growth after warm-up: the median reading
-over the last 5% of the steps (to the end of training, not the export after it) against the median over 5% of the
-steps from --warmup of them, in MB and MB per 1,000 steps. Prints a table, writes JSON (results/soak_cpu.json or
---out) with benchmarks/common.py's provenance (commit, CPU model, torch). Extra Hydra overrides follow `--`.
---smoke: 60 steps of 16 images (of 256), tiny grids, a reading every 0.5 s.
 """
 
 import argparse
@@ -28,19 +21,6 @@ SMOKE = {"steps": 60, "val_every": 20, "ckpt_every": 30, "grid_every": 30, "inte
 SMOKE_OVERRIDES = ["data.limit=256", "data.batch_size=16", "trainer.log_every_n_steps=5",
                    "+logger.csv.flush_logs_every_n_steps=5", "callbacks.sample_grid.num_samples=4",
                    "callbacks.sample_grid.sampler.steps=4"]  # fmt: skip
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20_000, help="trainer.max_steps")
-    p.add_argument("--val-every", type=int, default=500, help="trainer.val_check_interval")
-    p.add_argument("--ckpt-every", type=int, default=500, help="callbacks.checkpoint.every_n_train_steps")
-    p.add_argument("--grid-every", type=int, default=1000, help="callbacks.sample_grid.every_n_steps")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between memory readings")
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps before growth is counted")
-    p.add_argument("overrides", nargs="*", help="more Hydra overrides for train.py (after --)")
-    common.add_arguments(p, repeats=None, device="cpu")
-    return p
 
 
 def rss_mb(pid: int) -> tuple[float, int]:
@@ -64,22 +44,21 @@ def rss_mb(pid: int) -> tuple[float, int]:
 
 
 def logged_step(run_dir: Path) -> int | None:
-    """The highest step in the run's csv/metrics.csv (None before its first write)."""
+    """The highest step in the run's csv/metrics.csv (None before its first write, or read mid-write)."""
     try:
         with (run_dir / "csv" / "metrics.csv").open() as f:
             return max((int(r["step"]) for r in csv.DictReader(f) if r.get("step")), default=None)
-    except (OSError, ValueError, csv.Error):  # not yet written, or read mid-write
+    except (OSError, ValueError, csv.Error):
         return None
 
 
 def command(args: argparse.Namespace, device: str, run_dir: Path) -> list[str]:
-    return [
-        sys.executable, "train.py", f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.val_every}",
-        f"callbacks.checkpoint.every_n_train_steps={args.ckpt_every}",
-        f"callbacks.sample_grid.every_n_steps={args.grid_every}",
-        f"trainer.accelerator={'cpu' if device == 'cpu' else 'gpu'}", f"hydra.run.dir={run_dir}",
-        *(SMOKE_OVERRIDES if args.smoke else []), *args.overrides,
-    ]  # fmt: skip
+    return [sys.executable, "train.py", f"trainer.max_steps={args.steps}",
+            f"trainer.val_check_interval={args.val_every}",
+            f"callbacks.checkpoint.every_n_train_steps={args.ckpt_every}",
+            f"callbacks.sample_grid.every_n_steps={args.grid_every}",
+            f"trainer.accelerator={'cpu' if device == 'cpu' else 'gpu'}", f"hydra.run.dir={run_dir}",
+            *(SMOKE_OVERRIDES if args.smoke else []), *args.overrides]  # fmt: skip
 
 
 def soak(args: argparse.Namespace, device: str, tmp: Path) -> tuple[list[dict], float]:
@@ -104,41 +83,44 @@ def soak(args: argparse.Namespace, device: str, tmp: Path) -> tuple[list[dict], 
     return readings, time.perf_counter() - start
 
 
-def window(readings: list[dict], low: float, high: float) -> dict:
-    """Median step and RSS of the readings with low <= step <= high (else the first at or after low): one reading
-    wanders by tens of MB with the allocator, a median of several does not."""
-    inside = [r for r in readings if low <= r["step"] <= high] or [next(r for r in readings if r["step"] >= low)]
-    return {"step": statistics.median(r["step"] for r in inside), "readings": len(inside),
-            "rss_mb": round(statistics.median(r["rss_mb"] for r in inside), 1)}  # fmt: skip
-
-
 def growth(readings: list[dict], steps: int, warmup: float) -> dict:
-    """The end of training (the last 5% of the steps up to the first reading at the last logged step: not the
-    export after it) against the warm-up's end (5% of the steps from `warmup` of them), each a median."""
+    """The median reading over the last 5% of the steps up to the first reading at the last logged step (training,
+    not the export after it) against the median over 5% of the steps from `warmup` of them (one reading wanders by
+    tens of MB with the allocator, a median of several does not)."""
     last = readings[-1]["step"] if readings else 0
     training = readings[: next((i for i, r in enumerate(readings) if r["step"] == last), 0) + 1]
     if not any(warmup * steps <= r["step"] < last for r in training):
         raise SystemExit(f"{len(readings)} readings, none after the warm-up: lower --interval or raise --steps")
-    warm = window(training, warmup * steps, (warmup + 0.05) * steps)
-    end = window(training, last - 0.05 * steps, last)
+
+    def window(low: float, high: float) -> dict:  # the readings in [low, high], else the first at or after low
+        inside = [r for r in training if low <= r["step"] <= high] or [next(r for r in training if r["step"] >= low)]
+        return {"step": statistics.median(r["step"] for r in inside), "readings": len(inside),
+                "rss_mb": round(statistics.median(r["rss_mb"] for r in inside), 1)}  # fmt: skip
+
+    warm, end = window(warmup * steps, (warmup + 0.05) * steps), window(last - 0.05 * steps, last)
     mb = end["rss_mb"] - warm["rss_mb"]
     return {"warm": warm, "end": end, "growth_mb": round(mb, 1), "peak_mb": max(r["rss_mb"] for r in readings),
             "growth_mb_per_1000_steps": round(mb / (end["step"] - warm["step"]) * 1000, 2)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = common.start(__file__, parser(), argv, smoke=SMOKE)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20_000, help="trainer.max_steps")
+    p.add_argument("--val-every", type=int, default=500, help="trainer.val_check_interval")
+    p.add_argument("--ckpt-every", type=int, default=500, help="callbacks.checkpoint.every_n_train_steps")
+    p.add_argument("--grid-every", type=int, default=1000, help="callbacks.sample_grid.every_n_steps")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between memory readings")
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps before growth is counted")
+    p.add_argument("overrides", nargs="*", help="more Hydra overrides for train.py (after --)")
+    common.add_arguments(p, repeats=None, device="cpu")
+    run = common.start(__file__, p, argv, smoke=SMOKE)
     args = run.args
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         readings, wall = soak(args, run.device.type, Path(tmp))
     result = growth(readings, args.steps, args.warmup)
     shown = [readings[i] for i in sorted({round(k * (len(readings) - 1) / 20) for k in range(21)})]  # first, last
-    print(
-        common.table(
-            ["seconds", "step", "RSS MB", "processes"],
-            [[r["seconds"], r["step"], r["rss_mb"], r["processes"]] for r in shown],
-        )
-    )
+    print(common.table(["seconds", "step", "RSS MB", "processes"],
+                       [[r["seconds"], r["step"], r["rss_mb"], r["processes"]] for r in shown]))  # fmt: skip
     warm, end = result["warm"], result["end"]
     print(f"\nafter warm-up (step {warm['step']}, {warm['rss_mb']} MB) to step {end['step']} ({end['rss_mb']} MB): "
           f"{result['growth_mb']:+} MB, {result['growth_mb_per_1000_steps']:+} MB per 1,000 steps; "

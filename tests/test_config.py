@@ -50,7 +50,7 @@ from ddpm.training import build_callbacks, build_loggers
 from ddpm.vae_module import VAEModule
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import samplers  # benchmarks/samplers.py: the rule that chooses sample.py's default from its table
+import mnist_recipe  # benchmarks/mnist_recipe.py: the rule that chooses sample.py's default from its table
 
 SAMPLE_GROUPS = ("sampler", "metrics")  # groups of conf/sample.yaml, checked by the sample tests below
 NOT_OPTIONS = ("experiment", "hparams_search", "hydra", "tune", *SAMPLE_GROUPS)  # checked by their own tests
@@ -340,10 +340,10 @@ def test_default_sampler_is_the_measured_fastest_within_noise(compose_cfg: Compo
     """sample.py's default sampler is the committed sampler table's fastest configuration (fewest network calls)
     whose classifier FID is within the noise of DDPM-1000's (paired ratio's 95% interval reaches 1 or lies below)
     at every guidance weight DDPM-1000 was drawn at; among equally fast ones, the lowest unguided cfid ratio
-    (benchmarks/samplers.py's fastest_within_noise, tested in test_samplers_table.py): samplers.json,
+    (benchmarks/mnist_recipe.py's fastest_within_noise, tested in test_samplers_table.py): samplers.json,
     docs/benchmarks.md."""
     rows = json.loads((REPO / "benchmarks/results/samplers.json").read_text())["rows"]
-    fastest, _ = samplers.fastest_within_noise(rows)
+    fastest, _ = mnist_recipe.fastest_within_noise(rows, name="config", ratio="vs_ddpm1000")
     row = next(r for r in rows if r["config"] == fastest and r["guidance"] == 0.0)
     sampler = instantiate(compose_cfg("sample").sampler)
     drawn = {r["guidance"] for r in rows if r["config"] == "ddpm1000"}

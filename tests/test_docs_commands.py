@@ -3,7 +3,7 @@
 RUNS is the one table: each documented command (its exact text, or a prefix ending in " ...") maps to what is
 appended to run it here in seconds (Hydra overrides, or a benchmark script's own --smoke), or to the reason it
 cannot run here (then its config is composed instead; `make -n` for a make target). A new command fails
-test_every_command_has_one_entry until it has an entry; an entry no command matches fails test_no_entry_is_stale.
+test_every_command_has_one_entry_and_no_entry_is_stale until it has an entry, as does an entry no command matches.
 
 The commands run through bash in a sandbox (copies of the entry points, links to conf/ and src/, its own $HOME),
 WORKERS at a time, each once per module. A train.py / sample.py run that names no folder writes to runs/<n>, a
@@ -11,6 +11,7 @@ benchmark its JSON to runs/<n>.json (--out). PLACEHOLDERS are the runs the docs'
 that names a folder of RUN_DIRS runs after the command that writes it.
 """
 
+import functools
 import json
 import os
 import re
@@ -89,7 +90,6 @@ RUNS: dict[str, list[str] | str] = {
     "python benchmarks/mnist_recipe.py ...": SMOKE,
     "python benchmarks/peers.py ...": SMOKE,
     "python benchmarks/recipe_cost.py ...": SMOKE,
-    "python benchmarks/samplers.py ...": SMOKE,
     "python benchmarks/sampling.py ...": SMOKE,
     "python benchmarks/throughput.py ...": SMOKE,
     "NVIDIA_TF32_OVERRIDE=0 python benchmarks/mnist_recipe.py ...": SMOKE,
@@ -151,9 +151,7 @@ def entries(command: str) -> list[str]:
 
 
 def fill(command: str) -> str:
-    for placeholder, run_dir in PLACEHOLDERS.items():
-        command = command.replace(placeholder, run_dir)
-    return command
+    return functools.reduce(lambda line, pair: line.replace(*pair), PLACEHOLDERS.items(), command)
 
 
 def needs(command: str) -> list[str]:
@@ -263,11 +261,7 @@ def check_without_running(command: str) -> None:
         OmegaConf.to_container(cfg.hydra.launcher, resolve=True)  # hydra/launcher=slurm: its keys resolve
 
 
-def short(command: str) -> str:
-    return command if len(command) <= 72 else command[:69] + "..."
-
-
-@pytest.mark.parametrize("command", DOCUMENTED, ids=short)
+@pytest.mark.parametrize("command", DOCUMENTED, ids=lambda c: c if len(c) <= 72 else c[:69] + "...")
 def test_documented_command(command: str, runner: Runner) -> None:
     """It runs, shrunk, and exits 0; or it cannot run here (RUNS says why) and its config composes."""
     (key,) = entries(command)
@@ -277,8 +271,8 @@ def test_documented_command(command: str, runner: Runner) -> None:
     if without_mnist(command):
         pytest.skip("needs the MNIST files in ../shared/data/mnist beside the repository")
     result = runner.start(command).result()
-    report = f"{DOCUMENTED[command]}: {result.args}\nexit {result.returncode}\n{result.stdout[-3000:]}\n"
-    report += result.stderr[-5000:]
+    out = f"{result.stdout[-3000:]}\n{result.stderr[-4000:]}"
+    report = f"{DOCUMENTED[command]}: {result.args}\nexit {result.returncode}\n{out}"
     assert result.returncode == 0, report
     if "ckpt_path=" in command:  # it resumed the run made first, not a fresh start
         assert "Resuming " in result.stdout + result.stderr, report
@@ -287,13 +281,10 @@ def test_documented_command(command: str, runner: Runner) -> None:
         assert not list((runner.sandbox / "benchmarks" / "results").iterdir()), report
 
 
-def test_every_command_has_one_entry() -> None:
-    """Every documented command matches exactly one entry of RUNS: add one for a new command."""
+def test_every_command_has_one_entry_and_no_entry_is_stale() -> None:
+    """Every documented command matches exactly one entry of RUNS (add one for a new command), and every entry a
+    documented command (remove those of commands the docs no longer show)."""
     assert {c: entries(c) for c in DOCUMENTED if len(entries(c)) != 1} == {}
-
-
-def test_no_entry_is_stale() -> None:
-    """Every entry of RUNS matches a documented command: remove the entries of commands the docs no longer show."""
     assert [k for k in RUNS if not any(k in entries(c) for c in DOCUMENTED)] == []
 
 

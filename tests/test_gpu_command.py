@@ -110,7 +110,8 @@ def test_a_group_is_refused_naming_the_form(monkeypatch: pytest.MonkeyPatch) -> 
             gpu.parse_plan([bad])
     with pytest.raises(ValueError, match=r"fp32, bf16 or bf16\+<compile mode>"):
         gpu.parse_plan(["unet64@64=ours:fp16"])
-    assert gpu.parse_plan(["unet64@64=ours:bf16+reduce-overhead"])[0][2][0][1].mode == "reduce-overhead"
+    (row,) = gpu.parse_plan(["unet64@64=ours:bf16+reduce-overhead"])[0][2].values()
+    assert (row.runner, row.precision, row.compile, row.tf32) == ("product", "bf16", "reduce-overhead", None)
 
 
 class Event:

@@ -1,11 +1,24 @@
 """benchmarks/throughput.py's rows on the presets of the GPU (`--device cuda`) commands: the default rows reach the
 timing on every preset, and a diffusers row on a preset diffusers' UNet2DModel cannot express stops before anything
-is timed, naming why (a real subprocess, as a user runs it)."""
+is timed, naming why; benchmarks/loops.py's step timer on a hand-driven clock."""
 
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run
+import torch
+from helpers import REPO
+
+
+class Timing(Exception):
+    """Raised where throughput.py would start loading images and timing rows."""
+
+
+@pytest.fixture
+def throughput(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import throughput
+
+    return throughput
 
 
 @pytest.mark.parametrize(
@@ -13,35 +26,29 @@ from helpers import REPO, run
     [("seed_mnist", "model.downsample=[True, True, False]"), ("unet64", "model.num_heads=4 at the attention widths")],
 )
 def test_a_diffusers_row_on_a_preset_unet2dmodel_cannot_express_is_refused_before_timing(
-    model: str, reason: str, tmp_path: Path
+    model: str, reason: str, tmp_path: Path, throughput, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "t.json"
-    result = run("python", "benchmarks/throughput.py", "--model", model, "--rows", "ram_fp32,ram_fp32_diffusers",
-                 "--device", "cpu", "--allow-dirty", "--out", out, check=False)  # fmt: skip
-    assert result.returncode != 0 and not out.exists()
-    assert reason in result.stderr and "leave those rows out (the default does)" in result.stderr, result.stderr
-    assert "done ram_fp32" not in result.stdout  # refused before the first timed row
-
-
-class Timing(Exception):
-    """Raised where throughput.py would start loading images and timing rows."""
+    argv = ["--model", model, "--rows", "ram_fp32,ram_fp32_diffusers", "--device", "cpu", "--allow-dirty", "--out", out]
+    with pytest.raises(SystemExit) as refused:
+        throughput.main([str(a) for a in argv])
+    assert reason in str(refused.value) and "leave those rows out (the default does)" in str(refused.value)
+    assert not out.exists() and "done ram_fp32" not in capsys.readouterr().out  # refused before the first timed row
 
 
 @pytest.mark.parametrize("model", ["seed_mnist", "ddpm_cifar10", "unet64"])
-def test_the_default_rows_of_every_gpu_command_reach_the_timing(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_rows_of_every_gpu_command_reach_the_timing(model: str, throughput, monkeypatch) -> None:
     # `--model <preset> --device cuda` with no rows: two presets used to die building a diffusers twin they cannot
     # have. Each now gets as far as the images, with no twin built.
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import throughput
-
     def twin(*args):
         raise AssertionError("the default rows built a diffusers twin")
 
     def images(base, count):
         raise Timing
 
-    monkeypatch.setattr(throughput, "diffusers_twin", twin)
-    monkeypatch.setattr(throughput, "load_images", images)
+    monkeypatch.setattr(throughput.loops, "make_twin", twin)
+    monkeypatch.setattr(throughput.loops, "twin_refusal", twin)
+    monkeypatch.setattr(throughput.loops, "load_images", images)
     with pytest.raises(Timing):
         throughput.main(["--model", model, "--device", "cpu", "--allow-dirty"])
 
@@ -51,8 +58,6 @@ def test_step_spans_run_from_the_previous_batch_end_and_leave_the_paired_step_ou
 ) -> None:
     """benchmarks/loops.py's Steps on a hand-driven clock: a span runs from the end of the previous batch (after the
     paired bare step) to the end of its own; its wait to the start of its batch; a window from batch a's end to b's."""
-    import torch
-
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import loops
 
