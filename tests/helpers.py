@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import warm
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig
@@ -104,6 +105,13 @@ def run(
     """Run `argv` (`"python"` becomes this interpreter) from `cwd`; on failure raise with the output's tail.
 
     With shell=True, argv is one command line run by bash, as a user would type it."""
+    extra = extra_env or {}
+    if not shell and warm.eligible([str(a) for a in argv], _changed(env(**extra))):
+        result = _warm_run([str(a) for a in argv], cwd, env(**extra), timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(result.args[:4])} failed ({result.returncode}):\n"
+                                 f"{result.stdout[-3000:]}\n{result.stderr[-4000:]}")  # fmt: skip
+        return result
     if shell:
         (line,) = argv
         command: Sequence[str] | str = str(line)
@@ -112,7 +120,7 @@ def run(
     result = subprocess.run(
         command,
         cwd=cwd,
-        env=env(**(extra_env or {})),
+        env=env(**extra),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -123,6 +131,23 @@ def run(
         shown = command if shell else " ".join(command[:4])
         raise AssertionError(f"{shown} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}")
     return result
+
+
+_SERVER: list[warm.Server] = []  # this pytest process's warm server, started on first use
+
+
+def _changed(full: dict[str, str]) -> dict[str, str]:
+    """The keys in which `full` differs from the warm server's environment (the tests' own, env())."""
+    base = _SERVER[0].env if _SERVER else env()
+    return {k: full.get(k, "") for k in base.keys() | full.keys() if full.get(k) != base.get(k)}
+
+
+def _warm_run(argv: list[str], cwd: Path, full: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`argv` as a fork of this process's warm server (tests/warm.py), started again if it died."""
+    if not _SERVER or _SERVER[0].process.poll() is not None:
+        _SERVER[:] = [warm.Server(env())]
+    with tempfile.TemporaryDirectory(prefix="warm-") as folder:
+        return _SERVER[0].run(argv, cwd=cwd, env=full, timeout=timeout, folder=Path(folder))
 
 
 def train(

@@ -1,0 +1,53 @@
+"""tests/warm.py: a command forked from the warm server is the command exec'd (same files, bytes and status)."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY_RUN, run
+from warm import eligible
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_forked_run_writes_what_an_execd_run_writes(tmp_path: Path) -> None:
+    """The same tiny train.py run, exec'd (DDPM_TESTS_EXEC=1) and forked: the same EMA weights bit for bit, the same
+    samples from sample.py; a bad value exits 1 naming the key either way."""
+    weights, samples = {}, {}
+    for how, extra in (("exec", {"DDPM_TESTS_EXEC": "1"}), ("warm", {})):
+        argv = ["python", "train.py", *TINY_RUN, f"hydra.run.dir={tmp_path / how}"]
+        assert eligible(argv, extra) == (how == "warm")
+        run(*argv, extra_env=extra)
+        weights[how] = torch.load(tmp_path / how / "ema.pt", map_location="cpu", weights_only=True)["ema_state_dict"]
+        sampled = tmp_path / how / "samples"
+        run("python", "sample.py", f"ckpt={tmp_path / how / 'ema.pt'}", "num_samples=4", "sampler.steps=3",
+            f"output_dir={sampled}", extra_env=extra)  # fmt: skip
+        samples[how] = digest(sampled / "samples.npz")
+        bad = run("python", "train.py", "data.limit=0", f"hydra.run.dir={tmp_path / how}_bad", check=False,
+                  extra_env=extra)  # fmt: skip
+        assert bad.returncode == 1 and "data.limit=0" in bad.stderr, bad.stderr[-2000:]
+    assert weights["exec"].keys() == weights["warm"].keys() and samples["exec"] == samples["warm"]
+    assert all(torch.equal(value, weights["warm"][key]) for key, value in weights["exec"].items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "changed", "forked"),
+    [
+        (["python", "train.py", "trainer.max_steps=2"], {}, True),
+        (["python", "-m", "ddpm.export", "ckpt=x"], {"WANDB_MODE": "offline"}, True),
+        (["python", "train.py", "trainer.devices=1", "trainer.strategy=auto", "trainer.accelerator=cpu"], {}, True),
+        (["python", "train.py", "trainer.devices=2"], {}, False),
+        (["python", "train.py", "trainer=ddp", "trainer.devices=2"], {}, False),  # Lightning re-launches sys.argv
+        (["python", "train.py", "-m", "hydra/launcher=submitit_local"], {}, False),
+        (["python", "train.py"], {"OMP_NUM_THREADS": "2"}, False),  # read when torch is imported
+        (["python", "train.py"], {"PYTHONPATH": "/elsewhere"}, False),
+        (["python", "-c", "print(1)"], {}, False),
+        (["python", "benchmarks/throughput.py", "--smoke"], {}, False),
+    ],
+)
+def test_only_single_process_entry_points_with_a_runtime_environment_are_forked(argv, changed, forked) -> None:
+    assert eligible(argv, changed) is forked
