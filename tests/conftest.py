@@ -80,8 +80,10 @@ def ddpm_cifar10() -> torch.nn.Module:
 
 # The files that take longest (minutes of subprocesses) run first: with `--dist loadfile` each file stays on one
 # worker, and a long file started last would leave the other worker idle at the end.
-LONGEST_FIRST = ["test_docs_commands.py", "test_experiments.py", "test_diffusers_native.py", "test_ddp.py",
-                 "test_multinode.py", "test_run_faults.py", "test_workflow.py", "test_resume.py"]  # fmt: skip
+LONGEST_FIRST = ["test_docs_commands.py", "test_experiments.py", "test_run_faults.py", "test_diffusers_native.py",
+                 "test_multinode.py", "test_ddp.py", "test_workflow.py", "test_gpu_readiness.py", "test_resume.py",
+                 "test_data_faults.py", "test_user_faults.py", "test_latent_pipeline.py", "test_fast_sampling.py",
+                 "test_export.py", "test_faults.py", "test_warm.py", "test_edm.py"]  # fmt: skip  # make test, 11-2026
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
