@@ -105,28 +105,15 @@ def run(
     """Run `argv` (`"python"` becomes this interpreter) from `cwd`; on failure raise with the output's tail.
 
     With shell=True, argv is one command line run by bash, as a user would type it."""
-    extra = extra_env or {}
-    if not shell and warm.eligible([str(a) for a in argv], _changed(env(**extra))):
-        result = _warm_run([str(a) for a in argv], cwd, env(**extra), timeout)
-        if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(result.args[:4])} failed ({result.returncode}):\n"
-                                 f"{result.stdout[-3000:]}\n{result.stderr[-4000:]}")  # fmt: skip
-        return result
+    full, words = env(**(extra_env or {})), [str(a) for a in argv]
+    command: str | list[str] = [PYTHON if a == "python" else a for a in words]
     if shell:
-        (line,) = argv
-        command: Sequence[str] | str = str(line)
+        (command,) = words  # one command line
+    if not shell and warm.eligible(words, _changed(full)):  # a fork of the warm server: imports already done
+        result = _warm_run(words, cwd, full, timeout)
     else:
-        command = [PYTHON if str(a) == "python" else str(a) for a in argv]
-    result = subprocess.run(
-        command,
-        cwd=cwd,
-        env=env(**extra),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        shell=shell,
-        executable="/bin/bash" if shell else None,
-    )
+        result = subprocess.run(command, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout,
+                                shell=shell, executable="/bin/bash" if shell else None)  # fmt: skip
     if check and result.returncode != 0:
         shown = command if shell else " ".join(command[:4])
         raise AssertionError(f"{shown} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}")
