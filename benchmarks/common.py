@@ -74,8 +74,8 @@ def run_interleaved(names: Sequence[str], repeats: int, measure: Callable[[str, 
 
 def figure(s: Mapping[str, Any] | None, spec: str = ".2f", key: str | None = None) -> str:
     """'median [min-max]' of a stats() dict, or of a row's rate() keys `key` ('n/a' for None)."""
-    if key is not None:
-        s = s and s.get(key) is not None and {"median": s[key], "min": s[f"{key}_min"], "max": s[f"{key}_max"]}
+    if key is not None and s is not None:
+        s = None if s.get(key) is None else {"median": s[key], "min": s[f"{key}_min"], "max": s[f"{key}_max"]}
     return "n/a" if not s else f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
 
 
@@ -96,8 +96,12 @@ def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
 def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A Markdown table (the one table printer): None as n/a, a float with 3 significant digits (from 1,000 on:
     whole, with commas)."""
-    cell = lambda v: ((f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}") if isinstance(v, float) else  # noqa: E731
-                      "n/a" if v is None else str(v))  # fmt: skip
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "n/a" if v is None else str(v)
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
@@ -127,10 +131,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, rows: Sequence[str] | None
     add("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes (recorded in the JSON)")
 
 
+def sha256(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def git_state(repo: Path = REPO) -> dict[str, Any]:
     """HEAD and the changes `git status --porcelain` lists. Dirty if any is outside benchmarks/results/ (outputs:
     listed apart), or if there is no commit (nothing names the code)."""
-    git = lambda *argv: subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)  # noqa: E731
+
+    def git(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)
+
     head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=all")
     if head.returncode != 0 or status.returncode != 0:
         error = (head.stderr or status.stderr).strip()
@@ -174,7 +185,6 @@ class Run:
 
     def provenance(self) -> dict[str, Any]:
         script = self.script.relative_to(self.repo) if self.script.is_relative_to(self.repo) else self.script
-        sha256 = lambda path: hashlib.sha256(Path(path).read_bytes()).hexdigest()  # noqa: E731
         return {**{key: self.git.get(key) for key in ("commit", "dirty", "changes", "results_changed")},
                 "changed_during_run": self.git.get("at_end"), "allow_dirty": self.args.allow_dirty,
                 "smoke": self.args.smoke, "smoke_changes": self.smoke_changes, "script": str(script),

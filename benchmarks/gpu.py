@@ -98,7 +98,10 @@ def prepare_cost(row: Row, compiled: set[tuple[str, str]]) -> float:
 def show_plan(args: argparse.Namespace) -> tuple[list, dict[str, float]]:
     """The plan (--batch-scale applied to every group and to --profile-group) and its estimate per part, printed
     (a diffusers row of a preset without a UNet2DModel twin costs nothing)."""
-    scaled = lambda batch: max(1, round(int(batch) * args.batch_scale))  # noqa: E731
+
+    def scaled(batch: int | str) -> int:
+        return max(1, round(int(batch) * args.batch_scale))
+
     plan = [(model, scaled(batch), rows) for model, batch, rows in parse_plan(args.group)]
     if len({(m, b) for m, b, _ in plan}) < len(plan):
         raise SystemExit(f"groups {[f'{m}@{b}' for m, b, _ in plan]}: each preset@batch once (merge their rows)")
