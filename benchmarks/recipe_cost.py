@@ -1,6 +1,7 @@
 """Training cost of the MNIST recipes against experiment=mnist: each row a real `python train.py` in strict float32
 eager, interleaved; the figure is the median logged train/images_per_sec; with after, vae and latent rows, the latent
-recipe's share of experiment=mnist's training compute (docs/latent.md). Rows and columns: docs/benchmarks.md.
+recipe's share of experiment=mnist's training compute, each run at its experiment's steps and batch size
+(docs/latent.md). Rows and columns: docs/benchmarks.md.
 
     python benchmarks/recipe_cost.py --rows after,vae,latent --latents latents/mnist --repeats 3
 """
@@ -35,8 +36,8 @@ def overrides(row: str, args: argparse.Namespace, out: Path) -> list[str]:
         data = ["data=digits", *(["data.image_size=32", "data.channels=1"] if row == "vae" else [])]
     grid = "callbacks.vae_grid=null" if row == "vae" else "callbacks.sample_grid=null"
     return [f"experiment={EXPERIMENTS[row]}", *data, *FIXED, grid, *(f"{k}={v}" for k, v in ROWS[row].items()),
-            f"trainer.max_steps={args.steps}", f"hydra.run.dir={out}", f"data.batch_size={args.batch_size}",
-            f"trainer.log_every_n_steps={args.log_every}"]  # fmt: skip
+            f"trainer.max_steps={args.steps}", f"hydra.run.dir={out}", f"trainer.log_every_n_steps={args.log_every}",
+            *([f"data.batch_size={args.batch_size}"] if args.batch_size else [])]  # fmt: skip
 
 
 def images_per_sec(out: Path, skip: int) -> float:
@@ -52,7 +53,7 @@ def images_per_sec(out: Path, skip: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150, help="training steps per run")
-    p.add_argument("--batch-size", type=int, default=64, help="data.batch_size (experiment=mnist: 64)")
+    p.add_argument("--batch-size", type=int, default=None, help="data.batch_size of every run (default: its own)")
     p.add_argument("--skip", type=int, default=4, help="logged images/s values left out at the start")
     p.add_argument("--log-every", type=int, default=5, help="trainer.log_every_n_steps")
     p.add_argument("--data-root", default=common.MNIST_ROOT, help="MNIST IDX files")
@@ -74,14 +75,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(common.table(["row (our Trainer, float32 eager)", "images/s", f"vs {run.rows[0]}"],
                        [[n, common.figure(r["images_per_sec"], ".1f"), common.figure(r["vs_first"], ".3f")]
                         for n, r in rows.items()]))  # fmt: skip
-    if {"after", "vae", "latent"} <= runs.keys():  # per repeat: (VAE + latent steps' time) / experiment=mnist's
-        steps = {r: common.compose("train", [f"experiment={EXPERIMENTS[r]}"]).trainer.max_steps for r in runs}
-        share = {"share": common.stats((steps["vae"] / v + steps["latent"] / lat) / (steps["after"] / a) for a, v, lat
-                                       in zip(runs["after"], runs["vae"], runs["latent"], strict=True)),
-                 "steps": {row: steps[row] for row in ("after", "vae", "latent")}}  # fmt: skip
+    if {"after", "vae", "latent"} <= runs.keys():  # per repeat: (VAE + latent images' time) / experiment=mnist's
+        configs = {r: common.compose("train", [f"experiment={EXPERIMENTS[r]}"]) for r in ("after", "vae", "latent")}
+        images = {r: c.trainer.max_steps * c.data.batch_size for r, c in configs.items()}  # the recipes' own
+        share = {"share": common.stats((images["vae"] / v + images["latent"] / lat) / (images["after"] / a) for a, v,
+                                       lat in zip(runs["after"], runs["vae"], runs["latent"], strict=True)),
+                 "steps": {r: c.trainer.max_steps for r, c in configs.items()},
+                 "batch_size": {r: c.data.batch_size for r, c in configs.items()}}  # fmt: skip
         print(
-            f"mnist_latent's training compute (VAE {steps['vae']} + latent {steps['latent']} steps) / "
-            f"experiment=mnist's ({steps['after']} steps): {common.figure(share['share'], '.3f')}"
+            "mnist_latent's training compute (VAE {vae} + latent {latent} images) / experiment=mnist's ({after} "
+            "images): {share}".format(**images, share=common.figure(share["share"], ".3f"))
         )
     report = {"rows": rows, "before": BEFORE, "fixed": FIXED, "steps": args.steps, "batch_size": args.batch_size,
               "latent_share": share}  # fmt: skip
