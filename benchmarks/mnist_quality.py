@@ -94,11 +94,15 @@ class Scorer:
         sets, drawn = [(a.stats, b.stats) for a, b in pairs], [(a.drawn, b.drawn) for a, b in pairs]
         return boot.mean_paired_ratio(sets, self.weights, drawn=drawn).as_dict()
 
-    def floor(self, num: int, file: Path) -> Scored:
-        """`num` real digits the classifier never saw (its held-out split): what a perfect generator scores."""
+    def held_out(self, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`num` real digits the classifier never saw (its held-out split) and their labels."""
         data = self.source.load(image_size=self.size[0], channels=self.size[1])
         held = held_out_split(len(data.images))[0][:num]
-        return self.score(data.images[held], data.labels[held], file=file)
+        return data.images[held], data.labels[held]
+
+    def floor(self, num: int, file: Path) -> Scored:
+        """The held-out digits scored: what a perfect generator scores."""
+        return self.score(*self.held_out(num), file=file)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

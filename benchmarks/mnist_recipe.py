@@ -1,7 +1,8 @@
 """An MNIST recipe's quality, as docs/mnist.md reports it, and the sampler table of docs/benchmarks.md: per run
 (seed), --num-samples images per sampler and guidance weight, scored by mnist_quality.py's classifier (cfid, ckid,
 accuracy as asked), the paired cfid ratio to a --reference sampler at w = 0 and to --baseline runs, the floor (real
-held-out digits); with several samplers, the fewest-calls one within the reference's noise. Resumable per row.
+held-out digits) and, for a latent run, its VAE's reconstructions of them (the best anything decoded through it can
+score); with several samplers, the fewest-calls one within the reference's noise. Resumable per row.
 
     python benchmarks/mnist_recipe.py --runs outputs/mnist_s1,outputs/mnist_s2 --guidance 0,0.5,1 --reference ddpm1000
 """
@@ -15,6 +16,7 @@ import common
 import torch
 from mnist_quality import Scored, Scorer
 
+from ddpm.diffusion.generate import to_uint8
 from ddpm.diffusion.network import compile_network
 from ddpm.metrics.features import file_digest
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR
@@ -73,8 +75,19 @@ class Rows:
                        "compile": args.compile, "compile_backend": args.compile_backend}  # fmt: skip
             for g in [float(g) for g in args.guidance.split(",")] if args.compile else []:  # the compile: untimed
                 common.draw(net, loaded.diffusion, common.sampler("ddim", 2), 2, self.device, guidance=g, **options)
-            self.models[path] = net, loaded.diffusion, options
+            self.models[path] = net, loaded.diffusion, options, vae
         return self.models[path]
+
+    def ceiling(self, path: Path) -> dict | None:
+        """A latent run's VAE reconstructing the floor's held-out digits (a posterior sample, decoded as sample.py
+        decodes): the best a model decoded through it can score. None for a pixel model."""
+        vae = self.model(path)[3]
+        if vae is None:
+            return None
+        images, labels = self.scorer.held_out(self.args.num_samples)
+        mean, logvar = vae.encode(images)
+        noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(self.args.seed)).to(mean.device)
+        return self.scorer.score(to_uint8(vae.decode(vae.to_diffusion(mean, logvar, noise))).cpu(), labels).intervals
 
     def __call__(self, path: Path, sampler: str, guidance: float) -> tuple[dict, Scored]:
         args, limited = self.args, self.args.guidance_interval if guidance else None  # w = 0: the same either way
@@ -85,7 +98,7 @@ class Rows:
         if file.is_file():
             scored = self.scorer.score(file=file)
         else:
-            net, diffusion, options = self.model(path)
+            net, diffusion, options, _ = self.model(path)
             out = common.draw(net, diffusion, common.sampler(sampler), args.num_samples, self.device,
                               guidance=guidance, interval=limited, **options)  # fmt: skip
             scored = self.scorer.score(out.images, out.labels, file=file, nfe=out.nfe, seconds=out.seconds)
@@ -135,12 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(item)
                 print(f"{path}: {sampler} w={g:g} cfid {item['cfid']['value']:.2f} accuracy "
                       f"{item['accuracy']['value']:.3f}", flush=True)  # fmt: skip
+        ceilings = {str(path): c for path in runs if (c := row.ceiling(path)) is not None}
         pooled = {key: scorer.mean_ratio(group) for key, group in pairs.items()}
     summary = summarise(rows, pooled, args.num_samples)
     report = {"label": args.label, "runs": [str(p) for p in runs], "baseline": [str(p) for p in baselines],
               "sampler": args.sampler, "guidance_interval": args.guidance_interval, "reference": args.reference,
               "num_samples": args.num_samples, "resamples": args.resamples, "precision": args.precision,
-              "compile": args.compile, "classifier": scorer.name, "data": scorer.data, "floor": floor, "rows": rows,
+              "compile": args.compile, "classifier": scorer.name, "data": scorer.data, "floor": floor,
+              "vae_ceiling": ceilings, "rows": rows,
               "summary": summary, "fastest_within_noise": fastest_within_noise(summary)}  # fmt: skip
     run.write(report, f"mnist_recipe_{args.label}.json")
     print(show(report))
@@ -199,8 +214,8 @@ def show(report: dict) -> str:
              f"{s['accuracy']['mean']:.3f} [{s['accuracy']['min']:.3f}-{s['accuracy']['max']:.3f}]",
              f"{1e3 * s['ckid']['mean']:.1f}", ratio(s, "vs_reference"), ratio(s, "vs_baseline"),
              s["images_per_s"]] for s in report["summary"]]  # fmt: skip
-    rows.append(["floor (real held-out digits)", "", "", f"{f['cfid']['value']:.2f} [{f['cfid']['low']:.2f}, "
-                 f"{f['cfid']['high']:.2f}]", "1.00", f"{f['accuracy']['value']:.3f}", "", "", "", ""])  # fmt: skip
+    rows.append(real_row("floor (real held-out digits)", f, f))
+    rows += [real_row(f"its VAE's reconstructions ({run})", c, f) for run, c in report.get("vae_ceiling", {}).items()]
     best, ok = report["fastest_within_noise"]
     return "\n".join([common.table([report["label"], "NFE", "w", f"cfid@{n} mean [min-max]", "x floor",
                                     "accuracy mean [min-max]", f"ckid@{n} x1e3", "vs reference mean [min-max] (95%)",
@@ -208,6 +223,13 @@ def show(report: dict) -> str:
                       *([f"within the noise of {report['reference']}: " + "; ".join(
                           f"w = {g:g}: {', '.join(names)}" for g, names in sorted(ok.items())) +
                          f"; fewest network calls at every weight with ratios: {best}"] if ok else [])])  # fmt: skip
+
+
+def real_row(name: str, scored: dict, floor: dict) -> list:
+    """show()'s row of a set drawn by no sampler: the held-out digits, or a VAE's reconstructions of them."""
+    cfid, ratio = scored["cfid"], scored["cfid"]["value"] / floor["cfid"]["value"]
+    value = f"{cfid['value']:.2f} [{cfid['low']:.2f}, {cfid['high']:.2f}]"
+    return [name, "", "", value, f"{ratio:.2f}", f"{scored['accuracy']['value']:.3f}", "", "", "", ""]
 
 
 def guidance_curve(report: dict, sampler: str, path: Path) -> None:
