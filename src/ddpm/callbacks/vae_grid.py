@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from ddpm.callbacks.sample_grid import StepGrid, find_ema, log_grid
+from ddpm.diffusion.generate import to_uint8
 from ddpm.sampling.outputs import write_grid
 
 CAPTION = "rows: held-out originals, reconstructions (posterior means decoded), decoded N(0, I) latents"
@@ -67,8 +68,3 @@ def held_out(datamodule: Any, count: int) -> Tensor:
     if not batches:
         raise ValueError("callbacks.vae_grid needs held-out images, and the data has none (data.val_size)")
     return torch.cat(batches)
-
-
-def to_uint8(x: Tensor) -> Tensor:
-    """[-1, 1] float -> [0, 255] uint8, rounding to nearest (as the images would be saved)."""
-    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
