@@ -80,8 +80,10 @@ class Rows:
 
     def ceiling(self, path: Path) -> dict | None:
         """A latent run's VAE reconstructing the floor's held-out digits (a posterior sample, decoded as sample.py
-        decodes): the best a model decoded through it can score. None for a pixel model."""
-        vae = self.model(path)[3]
+        decodes): the best a model decoded through it can score. None for a pixel model. A run whose rows were all
+        read back is not prepared (compiled) for this: only its config is read, for the VAE."""
+        loaded = self.models.get(path)
+        vae = loaded[3] if loaded else load_decoder(load_model(path, self.device).config.get("latent"), self.device)
         if vae is None:
             return None
         images, labels = self.scorer.held_out(self.args.num_samples)
