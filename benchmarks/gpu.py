@@ -60,12 +60,13 @@ GOALS = {  # issue 35's goals: (what, target, the better direction)
 }
 LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}  # one kernel each
 GRAPH_LAUNCHES = {"cudaGraphLaunch", "cuGraphLaunch"}  # a CUDA graph: many kernels, one call
+LAYOUTS = {"nchw": False, "nhwc": True}  # a setting's layout word -> module.channels_last
 RUNNERS = {"ours": {"runner": "product"}, "bare": {"runner": "bare", "ema": True},
            "diffusers": {"runner": "bare", "ema": True, "net": "diffusers"}}  # fmt: skip
 
 
 def parse_plan(groups: list[str] | None) -> list[tuple[str, int, dict[str, Row]]]:
-    """PLAN, or --group "MODEL@BATCH=RUNNER:SETTING,..." (SETTING: fp32, bf16 or bf16+<compile mode>) options:
+    """PLAN, or --group "MODEL@BATCH=RUNNER:SETTING,..." options (SETTING: see `setting`):
     [(model, batch, {"runner:setting": loops.Row})], the rows with train.py's TF32."""
     plan = []
     for text in groups or [f"{g}={r.replace(' ', ',')}" for g, r in PLAN.items()]:
@@ -76,12 +77,21 @@ def parse_plan(groups: list[str] | None) -> list[tuple[str, int, dict[str, Row]]
             raise ValueError(f"--group {text!r}: MODEL@BATCH=RUNNER:SETTING,... with MODEL one of {list(IMAGES)}")
         if any(kind not in RUNNERS for kind, _ in pairs):
             raise ValueError(f"--group {text!r}: runners are ours, bare and diffusers")
-        if bad := [s for _, s in pairs if s.partition("+")[0] not in ("fp32", "bf16")]:
-            raise ValueError(f"setting {bad[0]!r}: fp32, bf16 or bf16+<compile mode> (e.g. bf16+default)")
-        plan.append((model, int(batch), {f"{k}:{s}": Row(**RUNNERS[k], precision=s.partition("+")[0],
-                                                           compile=s.partition("+")[2] or None, tf32=None)
-                                          for k, s in pairs}))  # fmt: skip
+        plan.append((model, int(batch), {f"{k}:{s}": Row(**RUNNERS[k], **setting(s), tf32=None) for k, s in pairs}))
     return plan
+
+
+def setting(text: str) -> dict[str, Any]:
+    """A row's SETTING, PRECISION[+COMPILE MODE][+nchw|+nhwc] (fp32, bf16, bf16+default, bf16+default+nchw), as
+    loops.Row's precision, compile and channels_last (without a layout: train.py's `auto`, NHWC on CUDA)."""
+    precision, *rest = text.split("+")
+    layout = [word for word in rest if word in LAYOUTS]
+    modes = [word for word in rest if word not in LAYOUTS]
+    if precision not in ("fp32", "bf16") or len(layout) > 1 or len(modes) > 1:
+        raise ValueError(f"setting {text!r}: fp32 or bf16, then +<compile mode> and/or +nchw or +nhwc "
+                         "(e.g. bf16+default+nchw)")  # fmt: skip
+    return {"precision": precision, "compile": modes[0] if modes else None,
+            "channels_last": LAYOUTS[layout[0]] if layout else "auto"}  # fmt: skip
 
 
 def compose(model: str, batch: int, row: Row, args: argparse.Namespace, device: torch.device, folder: Path) -> Any:
@@ -200,12 +210,14 @@ def time_rows(runners: dict[str, loops.Runner], group: str, ctx: dict[str, Any])
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, dict]:
-    """ours / bare and ours / diffusers at each setting, and each compiled ours row / ours bf16 eager, paired per
-    repeat (the two ran side by side in each)."""
+    """ours / bare and ours / diffusers at each setting, each compiled ours row / ours bf16 eager, and each ours row
+    of train.py's layout / the same setting in NCHW (+nchw), paired per repeat (the two ran side by side in each)."""
     found = {}
     for row, r in rows.items():
-        kind, _, setting = row.partition(":")
-        for other in [f"bare:{setting}", f"diffusers:{setting}"] + (["ours:bf16"] if "+" in setting else []):
+        kind, _, text = row.partition(":")
+        compiled, plain = setting(text)["compile"], "+nchw" not in text and "+nhwc" not in text
+        for other in [f"bare:{text}", f"diffusers:{text}"] + (["ours:bf16"] if compiled else []) + (
+                [f"ours:{text}+nchw"] if plain else []):  # fmt: skip
             if kind == "ours" and "images_per_s_runs" in r and "images_per_s_runs" in rows.get(other, {}):
                 a, b = r["images_per_s_runs"], rows[other]["images_per_s_runs"]
                 found[f"{row} / {other}"] = common.paired_ratios({"a": a[: len(b)], "b": b[: len(a)]}, "b")["a"]
@@ -250,9 +262,10 @@ def busy_seconds(intervals: list[tuple[int, int]]) -> float:
 
 def kernel_summary(events: list[Any], top: int = 15) -> dict[str, Any]:
     """Kineto events of one step -> the `top` GPU kernels by time, kernel launches, and the share of the step's span
-    the GPU is idle (no kernel, copy or memset running: the union of their intervals; sync events are waits)."""
+    the GPU is idle (no kernel, copy or memset running: the union of their intervals; sync events are waits; a
+    record_function range such as Optimizer.step's spans the whole step and is no kernel)."""
     cpu = torch.autograd.DeviceType.CPU
-    device = [e for e in events if e.device_type() != cpu and "Sync" not in e.name()]
+    device = [e for e in events if e.device_type() != cpu and "Sync" not in e.name() and not e.is_user_annotation()]
     by_name: dict[str, list[float]] = {}
     for e in device:
         if not e.name().startswith(("Memcpy", "Memset")):

@@ -108,19 +108,23 @@ def test_a_group_is_refused_naming_the_form(monkeypatch: pytest.MonkeyPatch) -> 
     for bad in ("cifar@128=ours:fp32", "unet64@64=peer:bf16", "unet64@64=ours", "unet64=ours:fp32"):
         with pytest.raises(ValueError, match=r"MODEL@BATCH=RUNNER:SETTING|runners are ours, bare and diffusers"):
             gpu.parse_plan([bad])
-    with pytest.raises(ValueError, match=r"fp32, bf16 or bf16\+<compile mode>"):
-        gpu.parse_plan(["unet64@64=ours:fp16"])
+    for bad in ("unet64@64=ours:fp16", "unet64@64=ours:bf16+nchw+nhwc", "unet64@64=ours:bf16+default+max-autotune"):
+        with pytest.raises(ValueError, match=r"fp32 or bf16, then \+<compile mode> and/or \+nchw or \+nhwc"):
+            gpu.parse_plan([bad])
     (row,) = gpu.parse_plan(["unet64@64=ours:bf16+reduce-overhead"])[0][2].values()
     assert (row.runner, row.precision, row.compile, row.tf32) == ("product", "bf16", "reduce-overhead", None)
+    assert row.channels_last == "auto"  # train.py's default layout
+    (row,) = gpu.parse_plan(["unet64@64=bare:bf16+default+nchw"])[0][2].values()
+    assert (row.runner, row.compile, row.channels_last) == ("bare", "default", False)
 
 
 class Event:
     """A kineto event as the profile summary reads it."""
 
-    def __init__(self, name: str, device: str, start_us: int, end_us: int) -> None:
+    def __init__(self, name: str, device: str, start_us: int, end_us: int, annotation: bool = False) -> None:
         import torch
 
-        self._name, self._start, self._end = name, start_us * 1000, end_us * 1000
+        self._name, self._start, self._end, self._annotation = name, start_us * 1000, end_us * 1000, annotation
         self._device = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
 
     def name(self) -> str:
@@ -135,6 +139,9 @@ class Event:
     def end_ns(self) -> int:
         return self._end
 
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
 
 def test_the_profile_summary_ranks_kernels_counts_launches_and_the_idle_share(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
@@ -143,11 +150,13 @@ def test_the_profile_summary_ranks_kernels_counts_launches_and_the_idle_share(mo
     events = [Event("aten::mm", "cpu", 0, 100), *[Event("cudaLaunchKernel", "cpu", i, i + 1) for i in (1, 2, 3)],
               Event("cudaGraphLaunch", "cpu", 5, 6), Event("kernA", "cuda", 10, 30), Event("kernB", "cuda", 25, 45),
               Event("kernA", "cuda", 40, 50), Event("Memcpy HtoD (Pinned -> Device)", "cuda", 60, 70),
-              Event("Event Sync", "cuda", 70, 90)]  # fmt: skip
+              Event("Event Sync", "cuda", 70, 90),
+              Event("Optimizer.step#AdamW.step", "cuda", 0, 100, annotation=True)]  # fmt: skip  # the step's range
     summary = kernel_summary(events)
     assert [(k["name"], k["calls"], k["total_us"]) for k in summary["top"]] == [("kernA", 2, 30), ("kernB", 1, 20)]
     assert (summary["kernels_run"], summary["kernel_launches"], summary["graph_launches"]) == (3, 3, 1)
-    # busy: kernels cover 10-50 us (overlaps counted once), the copy 60-70; the sync is a wait: 50 of 100 us
+    # busy: kernels cover 10-50 us (overlaps counted once), the copy 60-70; the sync is a wait and the
+    # record_function range (on the GPU's timeline in a real trace) no kernel: 50 of 100 us
     assert summary["gpu_busy_s"] == pytest.approx(50e-6) and summary["gpu_idle_share"] == pytest.approx(0.5)
 
 
