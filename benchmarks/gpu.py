@@ -82,8 +82,8 @@ def parse_plan(groups: list[str] | None) -> list[tuple[str, int, dict[str, Row]]
 
 
 def setting(text: str) -> dict[str, Any]:
-    """A row's SETTING, PRECISION[+COMPILE MODE][+nchw|+nhwc] (fp32, bf16, bf16+default, bf16+default+nchw), as
-    loops.Row's precision, compile and channels_last (without a layout: train.py's `auto`, NHWC on CUDA)."""
+    """A row's SETTING, PRECISION[+COMPILE MODE][+nchw|+nhwc] (fp32, bf16, bf16+default, bf16+default+nhwc), as
+    loops.Row's precision, compile and channels_last (without a layout: train.py's default, NCHW)."""
     precision, *rest = text.split("+")
     layout = [word for word in rest if word in LAYOUTS]
     modes = [word for word in rest if word not in LAYOUTS]
@@ -91,7 +91,7 @@ def setting(text: str) -> dict[str, Any]:
         raise ValueError(f"setting {text!r}: fp32 or bf16, then +<compile mode> and/or +nchw or +nhwc "
                          "(e.g. bf16+default+nchw)")  # fmt: skip
     return {"precision": precision, "compile": modes[0] if modes else None,
-            "channels_last": LAYOUTS[layout[0]] if layout else "auto"}  # fmt: skip
+            "channels_last": LAYOUTS[layout[0]] if layout else False}  # fmt: skip
 
 
 def compose(model: str, batch: int, row: Row, args: argparse.Namespace, device: torch.device, folder: Path) -> Any:
@@ -211,13 +211,13 @@ def time_rows(runners: dict[str, loops.Runner], group: str, ctx: dict[str, Any])
 
 def ratios(rows: dict[str, dict]) -> dict[str, dict]:
     """ours / bare and ours / diffusers at each setting, each compiled ours row / ours bf16 eager, and each ours row
-    of train.py's layout / the same setting in NCHW (+nchw), paired per repeat (the two ran side by side in each)."""
+    with a layout word / the same setting without it (bf16+nhwc / bf16), paired per repeat (side by side in each)."""
     found = {}
     for row, r in rows.items():
         kind, _, text = row.partition(":")
-        compiled, plain = setting(text)["compile"], "+nchw" not in text and "+nhwc" not in text
-        for other in [f"bare:{text}", f"diffusers:{text}"] + (["ours:bf16"] if compiled else []) + (
-                [f"ours:{text}+nchw"] if plain else []):  # fmt: skip
+        plain = "+".join(word for word in text.split("+") if word not in LAYOUTS)
+        for other in [f"bare:{text}", f"diffusers:{text}"] + (["ours:bf16"] if setting(text)["compile"] else []) + (
+                [f"ours:{plain}"] if plain != text else []):  # fmt: skip
             if kind == "ours" and "images_per_s_runs" in r and "images_per_s_runs" in rows.get(other, {}):
                 a, b = r["images_per_s_runs"], rows[other]["images_per_s_runs"]
                 found[f"{row} / {other}"] = common.paired_ratios({"a": a[: len(b)], "b": b[: len(a)]}, "b")["a"]

@@ -51,7 +51,7 @@ class Row:
     compile: str | None = None  # torch.compile mode of the loss (DiffusionModule's); None: eager
     data: str = "datamodule"  # the bare loop's batches: disk (a PNG per image) | ram (random picks) | datamodule
     batch_mult: int = 1
-    channels_last: bool | str = False  # module.channels_last: true, false or auto (NHWC on CUDA)
+    channels_last: bool = False  # module.channels_last (NHWC weights and inputs)
     fused_attention: bool = True  # False: SDPA's math kernel (bare rows)
     net: str = "ours"  # ours | diffusers (UNet2DModel with the same arguments and weights; bare rows)
     ema: bool = False  # the bare loop's EMA lerp
@@ -188,9 +188,8 @@ class Bare:
         torch.manual_seed(cfg.seed)
         self.net = net if net is not None else instantiate(cfg.model)
         diffusion, optim = instantiate(cfg.diffusion), instantiate(cfg.optim)
-        layout = resolved["module"]["channels_last"]  # as decided for this device (auto: NHWC on CUDA)
-        holder = instantiate(cfg.module, _partial_=True)(net=self.net, diffusion=diffusion, optim=optim, compile=mode,
-                                                          channels_last=layout).to(device)  # fmt: skip
+        holder = instantiate(cfg.module, _partial_=True)(net=self.net, diffusion=diffusion, optim=optim,
+                                                          compile=mode).to(device)  # fmt: skip
         holder.configure_model()  # compiles the loss as the Trainer does: dynamo reuses a Trainer row's graph
         self.loss, self.diffusion, self.params = holder._loss_fn, holder.diffusion, list(self.net.parameters())
         self.optimizer, self.schedule = optim.build(self.params, global_batch_size=cfg.data.batch_size,

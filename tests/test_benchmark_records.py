@@ -100,5 +100,5 @@ def test_device_record_was_produced_by_the_scripts_of_the_commit_the_docs_name(n
     # the tree that ran was the named commit's: every file that differs between the commit its git metadata named and
     # the named commit is among the changes that metadata listed (so the record's tree can be the named commit's)
     differ = git("diff", "--name-only", p["commit"], commit).stdout.decode().split()
-    listed = {change[3:].strip('"') for change in p["changes"]}
+    listed = {change[3:].strip('"') for change in p["changes"] + p.get("results_changed", [])}
     assert set(differ) <= listed, f"{name}: {sorted(set(differ) - listed)} differ from {commit} but were not changed"

@@ -113,9 +113,19 @@ def test_a_group_is_refused_naming_the_form(monkeypatch: pytest.MonkeyPatch) -> 
             gpu.parse_plan([bad])
     (row,) = gpu.parse_plan(["unet64@64=ours:bf16+reduce-overhead"])[0][2].values()
     assert (row.runner, row.precision, row.compile, row.tf32) == ("product", "bf16", "reduce-overhead", None)
-    assert row.channels_last == "auto"  # train.py's default layout
-    (row,) = gpu.parse_plan(["unet64@64=bare:bf16+default+nchw"])[0][2].values()
-    assert (row.runner, row.compile, row.channels_last) == ("bare", "default", False)
+    assert row.channels_last is False  # train.py's default layout, NCHW
+    (row,) = gpu.parse_plan(["unet64@64=bare:bf16+default+nhwc"])[0][2].values()
+    assert (row.runner, row.compile, row.channels_last) == ("bare", "default", True)
+
+
+def test_a_layout_row_is_paired_with_the_same_setting_in_the_default_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = gpu_module(monkeypatch)
+    rows = {"ours:bf16": {"images_per_s_runs": [100.0, 200.0]}, "ours:bf16+nhwc": {"images_per_s_runs": [80.0, 220.0]},
+            "ours:bf16+default+nhwc": {"images_per_s_runs": [300.0, 300.0]}}  # fmt: skip
+    found = gpu.ratios(rows)
+    assert found["ours:bf16+nhwc / ours:bf16"]["runs"] == pytest.approx([0.8, 1.1])  # paired per repeat
+    assert found["ours:bf16+default+nhwc / ours:bf16"]["runs"] == pytest.approx([3.0, 1.5])  # compiled / eager
+    assert set(found) == {"ours:bf16+nhwc / ours:bf16", "ours:bf16+default+nhwc / ours:bf16"}  # no compiled twin
 
 
 class Event:

@@ -1,8 +1,8 @@
 """Device-dependent speed settings the Trainer's flags do not cover: `auto` precision and compile, TF32, advice.
 
 Plain torch: `resolve_precision(trainer.precision, trainer.accelerator)` turns `auto` into a Lightning value and
-`resolve_compile(compile, trainer.accelerator)` into a bool or a mode, `resolve_channels_last` the layout;
-then `configure_precision(...)` runs once before the Trainer is built.
+`resolve_compile(compile, trainer.accelerator)` into a bool; then `configure_precision(...)` runs once before
+the Trainer is built.
 """
 
 import warnings
@@ -122,19 +122,6 @@ def resolve_compile(compile: bool | str, accelerator: str | None = "auto") -> bo
         return compile
     device = run_device(accelerator)
     return "default" if device == "cuda" or (device == "cpu" and fast_bf16("cpu")) else False
-
-
-def resolve_channels_last(channels_last: bool | str, accelerator: str | None = "auto") -> bool:
-    """`channels_last: auto` -> NHWC on CUDA, NCHW on CPUs; true/false pass through. CUDA: cuDNN's bf16
-    convolutions run NHWC kernels, so an NCHW network pays a layout transpose into and out of every convolution
-    (ddpm_cifar10 at batch 512, compiled bf16, on an H100: 512 transposes, 21 of the step's 94 ms of kernels;
-    docs/benchmarks.md's GPU section). CPUs: NHWC trained slower there (bf16 eager on an AVX512 Xeon: unet_mnist
-    0.70x against NCHW's 0.75x of strict float32, seed_mnist 0.54x against 0.71x; docs/benchmarks.md)."""
-    if isinstance(channels_last, bool):
-        return channels_last
-    if str(channels_last).lower() != "auto":
-        raise ValueError(f"channels_last={channels_last!r}: true, false or auto (NHWC on CUDA, NCHW on CPUs)")
-    return run_device(accelerator) == "cuda"
 
 
 def compile_note(decided: bool | str, accelerator: str | None = "auto") -> str:

@@ -22,7 +22,7 @@ from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
 from ddpm.memory import explain_oom
-from ddpm.precision import compile_note, configure_precision, resolve_channels_last, resolve_compile, resolve_precision
+from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
 from ddpm.ranks import first_process
 from ddpm.resume import (
     check_resume,
@@ -112,8 +112,8 @@ def resolve_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
-    """{key: decided value} for the `auto` settings: trainer.precision, compile and module.channels_last (a wrong
-    word fails here, naming its key)."""
+    """{key: decided value} for the `auto` settings: trainer.precision and compile (a wrong word fails here,
+    naming its key)."""
     accelerator = OmegaConf.select(cfg, "trainer.accelerator")
     decided: dict[str, Any] = {}
     precision = OmegaConf.select(cfg, "trainer.precision")
@@ -123,8 +123,6 @@ def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str):
             decided[key] = resolve_compile(value, accelerator)
-    if isinstance(layout := OmegaConf.select(cfg, "module.channels_last"), str):
-        decided["module.channels_last"] = resolve_channels_last(layout, accelerator)
     return decided
 
 
@@ -188,9 +186,9 @@ def train(cfg: DictConfig) -> float | None:
     optim = build(cfg.optim)
     parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
     # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
-    # A partial, called with module.compile and module.channels_last as decided (auto resolved above)
-    decided = {k: resolved["module"][k] for k in ("compile", "channels_last") if k in resolved["module"]}
-    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=resolved, **decided)
+    # A partial, called with module.compile as decided (auto resolved above)
+    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=resolved,
+                                                     compile=resolved["module"]["compile"])  # fmt: skip
     ema, callbacks = build_callbacks(cfg)
     configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
     loggers = build_loggers(cfg)
