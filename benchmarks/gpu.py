@@ -28,6 +28,8 @@ from hydra.utils import instantiate
 from loops import Row
 from omegaconf import OmegaConf
 
+from ddpm.precision import compile_mode
+
 PLAN = {  # group (preset@batch) -> its rows (runner:setting), built in this order; groups most wanted first. One
     # compile mode fits: `default`, auto's choice on CUDA (a cold compile is 1-2 min; reduce-overhead: --group)
     "ddpm_cifar10@128": "ours:fp32 bare:fp32 ours:bf16 bare:bf16 diffusers:bf16",
@@ -90,7 +92,7 @@ def setting(text: str) -> dict[str, Any]:
     if precision not in ("fp32", "bf16") or len(layout) > 1 or len(modes) > 1:
         raise ValueError(f"setting {text!r}: fp32 or bf16, then +<compile mode> and/or +nchw or +nhwc "
                          "(e.g. bf16+default+nchw)")  # fmt: skip
-    return {"precision": precision, "compile": modes[0] if modes else None,
+    return {"precision": precision, "compile": compile_mode(modes[0]) if modes else None,  # a typo refused here
             "channels_last": LAYOUTS[layout[0]] if layout else False}  # fmt: skip
 
 

@@ -111,6 +111,8 @@ def test_a_group_is_refused_naming_the_form(monkeypatch: pytest.MonkeyPatch) -> 
     for bad in ("unet64@64=ours:fp16", "unet64@64=ours:bf16+nchw+nhwc", "unet64@64=ours:bf16+default+max-autotune"):
         with pytest.raises(ValueError, match=r"fp32 or bf16, then \+<compile mode> and/or \+nchw or \+nhwc"):
             gpu.parse_plan([bad])
+    with pytest.raises(ValueError, match=r"compile='nhcw' must be true, false, auto or one of"):
+        gpu.parse_plan(["unet64@64=ours:bf16+nhcw"])  # a mistyped layout word is no compile mode either
     (row,) = gpu.parse_plan(["unet64@64=ours:bf16+reduce-overhead"])[0][2].values()
     assert (row.runner, row.precision, row.compile, row.tf32) == ("product", "bf16", "reduce-overhead", None)
     assert row.channels_last is False  # train.py's default layout, NCHW
