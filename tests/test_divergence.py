@@ -143,6 +143,39 @@ def test_a_gradient_norm_that_overflows_float32_is_a_skipped_step() -> None:
     assert guard.skipped == 3
 
 
+def test_clipping_reuses_the_guards_norm_and_clips_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One global gradient norm per optimizer step: NaNGuard's, which DiffusionModule's clipping reuses; the
+    clipped gradients equal torch.nn.utils.clip_grad_norm_'s bit for bit, and nothing of the step is left on the
+    optimizer. Without the guard the clipping computes the norm itself, to the same gradients."""
+    from ddpm.module import DiffusionModule
+
+    def step(guarded: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 5), (7,), (2, 2, 2))]
+        for p in params:
+            p.grad = 10 * torch.randn_like(p)  # a norm far above the clip value of 1
+        optimizer, calls = torch.optim.AdamW(params, fused=True), []
+        monkeypatch.setattr(torch, "_foreach_norm", lambda *a, _norm=torch._foreach_norm, **k: calls.append(1)
+                            or _norm(*a, **k))  # fmt: skip
+        if guarded:
+            trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(reduce=lambda x, reduce_op: x))
+            NaNGuard().on_before_optimizer_step(trainer, SimpleNamespace(), optimizer)
+        DiffusionModule.configure_gradient_clipping(None, optimizer, 1.0, "norm")  # type: ignore[arg-type]
+        monkeypatch.undo()
+        assert "grad_norm" not in vars(optimizer)
+        return [p.grad for p in params], len(calls)
+
+    torch.manual_seed(0)
+    reference = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 5), (7,), (2, 2, 2))]
+    for p in reference:
+        p.grad = 10 * torch.randn_like(p)
+    torch.nn.utils.clip_grad_norm_(reference, 1.0, foreach=True)
+    for guarded in (True, False):
+        grads, norms = step(guarded)
+        assert norms == 1
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, reference, strict=True))
+
+
 # --- the state in checkpoints ---------------------------------------------------------------------------------------
 
 

@@ -145,12 +145,17 @@ class DiffusionModule(pl.LightningModule):
     ) -> None:  # fmt: skip
         """trainer.gradient_clip_val, applied here (foreach kernels, no host sync): Lightning's mixed-precision
         plugin refuses to clip for a fused optimizer (ours, see ddpm.optim), although by this hook the gradients
-        are unscaled under 16-mixed too (its GradScaler then passes the fused kernel only `found_inf`)."""
-        if not gradient_clip_val:
-            return
+        are unscaled under 16-mixed too (its GradScaler then passes the fused kernel only `found_inf`). The global
+        norm that NaNGuard computed of these same gradients just before (`optimizer.grad_norm`) is reused, not
+        computed again."""
+        norm = vars(optimizer).pop("grad_norm", None)  # this step's, set by NaNGuard.on_before_optimizer_step
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not gradient_clip_val or not params:
+            return
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val, foreach=True)
+        elif norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm, foreach=True)
         else:
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
 

@@ -170,6 +170,7 @@ class NaNGuard(Callback):
             loss = trainer.strategy.reduce(mean, reduce_op="mean").float()
         self._losses = []
         self._history.append((trainer.global_step, torch.stack([norm, loss])))
+        optimizer.grad_norm = norm  # gradient clipping, next, reuses it (DiffusionModule.configure_gradient_clipping)
         if skips_on_device(optimizer):
             optimizer.found_inf = (~norm.isfinite()).float()  # the fused kernel leaves weights, moments, step
             return
