@@ -176,6 +176,32 @@ def test_clipping_reuses_the_guards_norm_and_clips_as_torch_does(monkeypatch: py
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, reference, strict=True))
 
 
+def test_a_trainer_fit_computes_one_gradient_norm_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Lightning's own hook order (the guard's on_before_optimizer_step, then the module's clipping, on the
+    same optimizer object): a fit of 4 steps with the guard and clipping computes 4 global norms, not 8."""
+    import lightning.pytorch as pl
+    from helpers import tiny_unet
+
+    from ddpm.data.ram import RAMDataModule
+    from ddpm.data.sources import DigitsSource
+    from ddpm.diffusion.gaussian import GaussianDiffusion
+    from ddpm.module import DiffusionModule
+    from ddpm.optim import AdamW
+
+    pl.seed_everything(0, verbose=False)
+    module = DiffusionModule(net=tiny_unet(num_classes=10), diffusion=GaussianDiffusion(num_timesteps=100),
+                             optim=AdamW(lr=1e-3, warmup_steps=0))  # fmt: skip
+    data = RAMDataModule(source=DigitsSource(), image_size=8, channels=1, batch_size=8, limit=64, val_size=8)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=1.0, callbacks=[NaNGuard()])  # fmt: skip
+    calls = []
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, _norm=torch._foreach_norm, **k: calls.append(1)
+                        or _norm(*a, **k))  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 4 and len(calls) == 4
+
+
 # --- the state in checkpoints ---------------------------------------------------------------------------------------
 
 
