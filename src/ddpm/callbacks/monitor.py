@@ -16,7 +16,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
+from torch import Tensor
 from torch.optim import Optimizer
+
+
+def global_norm(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of all `tensors` together, in float32, as gradient clipping computes it: NaN/inf exactly when an
+    element is NaN/inf or the norm overflows. One fused kernel per dtype/device group; no host sync."""
+    norms = torch._foreach_norm(tensors, ord=2)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), ord=2)
 
 
 def logs_this_step(trainer: pl.Trainer | None) -> bool:
@@ -55,9 +63,8 @@ class Monitor(Callback):
         if not self.grad_norm or not logs_this_step(trainer):
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:  # one fused kernel per dtype/device group; the tensor is only read on logging steps
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-            pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        if grads:  # the tensor is only read on logging steps
+            pl_module.log("train/grad_norm", global_norm(grads), on_step=True, on_epoch=False)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -66,7 +66,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ddpm.callbacks.monitor import logs_this_step
+from ddpm.callbacks.monitor import global_norm, logs_this_step
 
 FAST = 0.9  # beta of the fast average of the log-loss: a time constant of 1 / (1 - beta) = 10 optimizer steps
 SLOW = 0.998  # beta of the slow average, the running level: a time constant of 500 optimizer steps
@@ -74,18 +74,6 @@ WARMUP = 10  # losses tracked before a step can count as diverging (from the 11t
 STATE = ("skipped", "consecutive", "fast", "fast_updates", "slow", "slow_updates", "above", "pending")
 LEGACY = ("skipped", "consecutive", "average", "updates", "level", "above")  # the state written before the slow level
 LEGACY_SMOOTHING = 0.98  # beta of the legacy state's average: it summarises about 50 steps
-
-
-def global_norm(tensors: list[Tensor]) -> Tensor:
-    """The 2-norm of all `tensors` together, in float32, as gradient clipping computes it: NaN/inf exactly when an
-    element is NaN/inf or the norm overflows. One fused kernel per dtype/device group; no host sync."""
-    norms = torch._foreach_norm(tensors, ord=2)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), ord=2)
-
-
-def all_finite(tensors: list[Tensor]) -> bool:
-    """True when no element of `tensors` is NaN/inf and their global 2-norm does not overflow."""
-    return bool(global_norm(tensors).isfinite())
 
 
 def skips_on_device(optimizer: Optimizer) -> bool:
