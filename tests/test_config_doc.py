@@ -1,5 +1,6 @@
 """docs/configuration.md is generated from conf/, and every option and key in conf/ says what it does."""
 
+import re
 from pathlib import Path
 
 from ddpm.config.doc import DOC, load, render, undocumented
@@ -32,3 +33,18 @@ def test_a_new_undocumented_option_or_key_is_caught(tmp_path: Path) -> None:
     text = render(files)
     assert "| `seed` | `1` | the seed |" in text and "`optim=sgd`" in text
     assert "Adam's beta1, beta2" in text  # ddpm.optim.AdamW's field comment
+
+
+def test_readme_group_table_lists_every_option_in_conf() -> None:
+    """README.md's table of config groups names each option file of each group it lists (a new recipe, model or data
+    config otherwise goes unmentioned where a newcomer looks first)."""
+    repo = Path(__file__).resolve().parents[1]
+    rows = re.findall(r"^\| `([\w/]+)`(?: \([\w.]+\))? \| (.*?) \|", (repo / "README.md").read_text(), flags=re.M)
+    assert len(rows) >= 10, "README.md's group table not found"
+    stale = {}
+    for group, options in rows:
+        listed = set(re.findall(r"`(\w+)`", options))
+        present = {path.stem for path in (repo / "conf" / group).glob("*.yaml")}
+        if listed != present:
+            stale[group] = {"missing": sorted(present - listed), "not in conf": sorted(listed - present)}
+    assert not stale, f"README.md's group table differs from conf/: {stale}"
