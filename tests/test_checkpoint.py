@@ -82,8 +82,10 @@ def test_truncated_checkpoint(ema_file: tuple[Path, UNet, dict], keep: float) ->
     path, _, _ = ema_file
     content = path.read_bytes()
     path.write_bytes(content[: int(len(content) * keep)])
-    with raises_naming(path, "truncated or corrupt", "use another checkpoint"):
+    with raises_naming(path, "truncated or corrupt", "use another checkpoint") as info:
         load_checkpoint(path)
+    cause = re.search(r"truncated or corrupt: (.*)\); use another", str(info.value)).group(1)
+    assert cause and ". " not in cause and "..." not in cause, cause  # torch's first sentence, whole
 
 
 def test_torch_file_of_another_project(tmp_path: Path) -> None:

@@ -163,7 +163,7 @@ def test_v_prediction_samples_with_every_sampler(v_run: Path, tmp_path: Path, sa
     images, labels = saved_samples(tmp_path)
     assert_real_images(images)
     assert labels == [-1] * 4
-    assert "4 network evaluations per batch" in result.stdout
+    assert "4 network evaluations per batch; batch 4," in result.stdout  # 4 images: a batch of 4, not of batch_size
 
 
 # --- guidance: unconditional models ------------------------------------------------------------------------

@@ -151,7 +151,8 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
     write_samples(out.images, out.labels, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
     print(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
-        f"{out.nfe} network evaluations per batch; batch {batch_size}, precision {precision}"
+        f"{out.nfe} network evaluations per batch; batch {min(batch_size, -(-keys.num_samples // world()[1]))}, "
+        f"precision {precision}"
         f"{', channels_last' if keys.channels_last else ''}{', compiled' if keys.compile else ''}) "
         f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )

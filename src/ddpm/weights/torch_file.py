@@ -28,6 +28,13 @@ ADVICE = {  # what to pass instead, by the setting that named the file
 }
 
 
+def first_sentence(error: BaseException, limit: int = 200) -> str:
+    """The error's first sentence, at most `limit` characters (torch's zip errors go on with general advice)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    sentence = text.split(". ")[0]
+    return sentence if len(sentence) <= limit else sentence[: limit - 3] + "..."
+
+
 def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, Any]:
     """torch.load with weights_only=True, turning every failure into a CheckpointError that says what to do;
     `key` is the setting that named the file (ckpt for sample.py and export, ckpt_path for a resume)."""
@@ -43,7 +50,7 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
         ) from error
     except Exception as error:  # garbage bytes also raise IndexError, KeyError, struct.error, ...
         raise CheckpointError(
-            f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: {str(error)[:200]}); "
+            f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: {first_sentence(error)}); "
             "use another checkpoint of the run, e.g. the previous step's"
         ) from error
     if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint:
