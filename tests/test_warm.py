@@ -16,12 +16,16 @@ def digest(path: Path) -> str:
 @pytest.mark.slow
 def test_a_forked_run_writes_what_an_execd_run_writes(tmp_path: Path) -> None:
     """The same tiny train.py run, exec'd (DDPM_TESTS_EXEC=1) and forked: the same EMA weights bit for bit, the same
-    samples from sample.py; a bad value exits 1 naming the key."""
-    weights, samples = {}, {}
+    samples from sample.py, the same messages in train.log (each shown once on the console); a bad value exits 1
+    naming the key, in train.log too."""
+    weights, samples, logs = {}, {}, {}
     for how, extra in (("exec", {"DDPM_TESTS_EXEC": "1"}), ("warm", {})):
         argv = ["python", "train.py", *TINY_RUN, f"hydra.run.dir={tmp_path / how}"]
         assert eligible(argv, extra) == (how == "warm")
-        run(*argv, extra_env=extra)
+        shown = run(*argv, extra_env=extra)
+        assert (shown.stdout + shown.stderr).count("`Trainer.fit` stopped") == 1, shown.stderr[-2000:]
+        logs[how] = [line.split("] - ", 1)[1] for line in (tmp_path / how / "train.log").read_text().splitlines()
+                     if "] - " in line and "[py.warnings]" not in line]  # fmt: skip  # without times; warnings: once
         weights[how] = torch.load(tmp_path / how / "ema.pt", map_location="cpu", weights_only=True)["ema_state_dict"]
         sampled = tmp_path / how / "samples"
         run("python", "sample.py", f"ckpt={tmp_path / how / 'ema.pt'}", "num_samples=4", "sampler.steps=3",
@@ -29,6 +33,10 @@ def test_a_forked_run_writes_what_an_execd_run_writes(tmp_path: Path) -> None:
         samples[how] = digest(sampled / "samples.npz")
     bad = run("python", "train.py", "data.limit=0", f"hydra.run.dir={tmp_path / 'bad'}", check=False)
     assert bad.returncode == 1 and "data.limit=0" in bad.stderr, bad.stderr[-2000:]  # as exec'd: the key, status 1
+    assert "data.limit=0" in (tmp_path / "bad" / "train.log").read_text().split("[ddpm][ERROR] - failed: ")[1]
+    assert logs["exec"] == [line.replace(str(tmp_path / "warm"), str(tmp_path / "exec")) for line in logs["warm"]]
+    assert logs["exec"][0] == "Seed set to 42" and "`Trainer.fit` stopped: `max_steps=" in logs["exec"][-2], logs
+    assert logs["exec"][-1] == f"EMA weights: {tmp_path / 'exec' / 'ema.pt'} (and ema.safetensors)", logs  # ours
     assert weights["exec"].keys() == weights["warm"].keys() and samples["exec"] == samples["warm"]
     assert all(torch.equal(value, weights["warm"][key]) for key, value in weights["exec"].items())
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from ddpm.callbacks.monitor import logs_this_step
 from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.logs import say
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
 from ddpm.precision import CompileMode, compile_mode, resolve_compile, uses_cudagraphs
@@ -208,7 +209,7 @@ class DiffusionModule(pl.LightningModule):
         if self.trainer.is_global_zero:
             rule = f"optim.lr={self.optim.lr:g}, optim.scaling={self.optim.scaling}"
             rule = f"global batch {self.global_batch_size()}, {rule}"
-            print(f"LR after the resume: {self.scaled_lr:.6g} ({rule}); the checkpoint's was {old:.6g}")
+            say(f"LR after the resume: {self.scaled_lr:.6g} ({rule}); the checkpoint's was {old:.6g}")
 
     def _follow_data_position(self) -> None:
         """Lightning's batch count within the epoch follows the training loader's position after a resume at

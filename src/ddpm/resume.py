@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ddpm.logs import say
 from ddpm.weights.model import CheckpointError, run_config
 from ddpm.weights.torch_file import load_checkpoint
 
@@ -131,7 +132,7 @@ def check_resume(
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESUME_FILE).write_text(yaml.safe_dump(record, sort_keys=False))
     changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()) or "none"
-    print(f"Resuming {path} at step {record['global_step']}; config changes: {changes}")
+    say(f"Resuming {path} at step {record['global_step']}; config changes: {changes}")
     return diff
 
 
@@ -161,7 +162,7 @@ def record_world(output_dir: Path, before: Mapping[str, Any], now: Mapping[str, 
     record["world"] = {"checkpoint": dict(before), "now": dict(now), "changed": changed}
     path.write_text(yaml.safe_dump(record, sort_keys=False))
     if changed:
-        print(
+        say(
             f"Resuming at another scale: world size {before.get('world_size')} -> {now['world_size']}, global batch "
             f"{before.get('global_batch')} -> {now['global_batch']}, LR {before.get('lr')} -> {now['lr']} "
             "(optim.scaling applied to the new global batch; recorded in resume_diff.yaml)"

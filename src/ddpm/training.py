@@ -21,6 +21,7 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
+from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
 from ddpm.ranks import first_process
@@ -164,7 +165,7 @@ def train(cfg: DictConfig) -> float | None:
     if keys.seed is not None:
         pl.seed_everything(keys.seed, workers=True)
     if str(cfg.get("compile")).lower() == "auto" and first_process():
-        print(compile_note(keys.compile, OmegaConf.select(cfg, "trainer.accelerator")))
+        say(compile_note(keys.compile, OmegaConf.select(cfg, "trainer.accelerator")))
     precision = resolved.get("trainer", {}).get("precision")
     start_step, before = 0, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder
@@ -177,7 +178,7 @@ def train(cfg: DictConfig) -> float | None:
     if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
         load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
         if first_process():
-            print(f"init_from: the weights of {keys.init_from} (a fresh optimizer and schedule)")
+            say(f"init_from: the weights of {keys.init_from} (a fresh optimizer and schedule)")
     output_dir.mkdir(parents=True, exist_ok=True)
     if first_process():
         OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
@@ -217,7 +218,7 @@ def train(cfg: DictConfig) -> float | None:
     elif trainer.is_global_zero and ema.shadow is not None:
         path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
         safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # the same, unpickle-free
-        print(f"EMA weights: {path} (and {safe.name})")
+        say(f"EMA weights: {path} (and {safe.name})")
     return objective_value(trainer, keys.objective)
 
 

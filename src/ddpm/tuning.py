@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from ddpm.atomic import atomic_write, atomic_write_text
 from ddpm.config import build
+from ddpm.logs import say
 from ddpm.precision import resolve_precision
 
 
@@ -167,7 +168,7 @@ def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
         record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested,
                   "warning": result.warning}  # fmt: skip
         atomic_write_text(output_dir / "lr_find.json", json.dumps(record) + "\n")
-        print(
+        say(
             f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g}; "
             f"suggested optim.lr={suggested:.3g} (plot: {plot})"
         )
@@ -183,6 +184,6 @@ def run_tuning(cfg: DictConfig) -> bool:
     lr = tune_lr(cfg, output_dir)
     if cfg.tune.get("apply", False):
         cfg.optim.lr = float(f"{lr:.3g}")  # the saved config.yaml and checkpoints record the LR used
-        print(f"tune.apply=true: training with optim.lr={cfg.optim.lr:.3g}")
+        say(f"tune.apply=true: training with optim.lr={cfg.optim.lr:.3g}")
         return True
     return False

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ddpm.atomic import atomic_folder
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.monitor import logs_this_step
+from ddpm.logs import say
 from ddpm.models.autoencoder import Reconstruction, latent_statistics, vae_loss
 from ddpm.module import DiffusionModule
 from ddpm.optim import AdamW
@@ -150,7 +151,7 @@ class VAEModule(pl.LightningModule):
             fix = "free space in the run folder; the run's checkpoints hold the EMA weights"
             path = atomic_folder(output_dir / EXPORT, lambda folder: net.save_pretrained(folder), size=size, fix=fix,
                                  files=("config.json",))  # fmt: skip
-        print(f"VAE: {path} (scaling_factor {1.0 / std:.6g}, shift_factor {mean:.6g}: the latents' 1 / std and mean)")
+        say(f"VAE: {path} (scaling_factor {1.0 / std:.6g}, shift_factor {mean:.6g}: the latents' 1 / std and mean)")
         return path
 
 

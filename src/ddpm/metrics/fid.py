@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ddpm.atomic import atomic_save
 from ddpm.data.sources import Source
+from ddpm.logs import say
 from ddpm.metrics.features import FeatureExtractor, brief
 
 Metric = Literal["fid", "kid", "is"]
@@ -210,7 +211,7 @@ def reference_stats(
     if cached is not None:
         return cached
     data = source.load(image_size=image_size, channels=channels)
-    print(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
+    say(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
     features, _ = extractor(data.images, batch_size=batch_size)
     stats = FeatureStats.of(features)
     # KID's features as float32 (what the extractors compute, so lossless): 82 MB for 10k Inception rows.

@@ -20,6 +20,7 @@ from ddpm.config.build import keyed_errors
 from ddpm.config.entries import SampleKeys
 from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycle, denoiser_for
 from ddpm.diffusion.samplers.base import decoded
+from ddpm.logs import say
 from ddpm.metrics.evaluate import generate_sharded
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
@@ -149,7 +150,7 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         return out
     out_dir = Path(keys.output_dir)
     write_samples(out.images, out.labels, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
-    print(
+    say(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
         f"{out.nfe} network evaluations per batch; batch {min(batch_size, -(-keys.num_samples // world()[1]))}, "
         f"precision {precision}"
@@ -160,5 +161,5 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         values = measure(out, cfg, loaded.config, device)
         text = json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2)
         atomic_write_text(out_dir / "metrics.json", text)
-        print("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
+        say("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
     return out
