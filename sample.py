@@ -1,8 +1,11 @@
 """Sample from a trained model: `python sample.py ckpt=PATH [sampler=ddpm sampler.steps=100 guidance=3 ...]`."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from ddpm.run_dir import follow_output_dir
 from ddpm.sampling import sample
 
 
@@ -12,4 +15,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = follow_output_dir(sys.argv)  # output_dir=X is Hydra's run folder too
     main()

@@ -19,6 +19,7 @@ from ddpm.config import UnknownKeyError, validate_config
 from ddpm.diffusion.generate import NonFiniteSamplesError, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.schedule import linear_betas
+from ddpm.run_dir import follow_output_dir
 from ddpm.weights import CheckpointError, load_model
 from ddpm.weights.lightning_io import AtomicCheckpointIO
 from ddpm.weights.model import CHECKPOINT_KEY
@@ -252,11 +253,20 @@ def test_write_error_is_an_oserror_for_callers_that_catch_those() -> None:
 def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "samples"
     train(*TINY_RUN, "trainer.max_steps=2", f"hydra.run.dir={run}")
-    sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"hydra.run.dir={out}")
-    first = (out / "samples.npz").read_bytes()
-    refused = sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"hydra.run.dir={out}", check=False)
+    sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"output_dir={out}")  # Hydra's folder too:
+    assert "- 4 images in " in (out / "sample.log").read_text() and (out / ".hydra" / "overrides.yaml").is_file()
+    first, record = (out / "samples.npz").read_bytes(), (out / ".hydra" / "overrides.yaml").read_text()
+    refused = sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"output_dir={out}", check=False)
     assert refused.returncode != 0 and "output_dir=" in refused.stderr and "overwrite=true" in refused.stderr
-    assert (out / "samples.npz").read_bytes() == first  # untouched
+    assert (out / "samples.npz").read_bytes() == first  # untouched, and the call's record (refused before Hydra):
+    assert (out / ".hydra" / "overrides.yaml").read_text() == record and "num_samples=4" in record
     sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"hydra.run.dir={out}", "overwrite=true")
     (moved,) = out.glob("replaced-*")
     assert (moved / "samples.npz").read_bytes() == first and (out / "samples.npz").read_bytes() != first
+
+
+def test_output_dir_names_hydras_run_folder_unless_one_is_named() -> None:
+    assert follow_output_dir(["sample.py", "ckpt=a", "output_dir=out/x"]) == [
+        "sample.py", "ckpt=a", "output_dir=out/x", "hydra.run.dir=out/x"]  # fmt: skip
+    for kept in (["sample.py", "output_dir=x", "hydra.run.dir=y"], ["sample.py", "-m", "output_dir=x"], ["sample.py"]):
+        assert follow_output_dir(kept) == kept

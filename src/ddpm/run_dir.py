@@ -19,6 +19,7 @@ Only the first process claims a folder: the other ranks of a DDP run write into 
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +123,15 @@ def continues_study(config: DictConfig) -> bool:
 
 
 class RunFolderGuard(Callback):
-    """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring)."""
+    """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring); sample.py's
+    guard names its own files and key (conf/sample.yaml)."""
+
+    def __init__(self, *, files: Sequence[str] = RUN_FILES, key: str = "hydra.run.dir") -> None:
+        self.files, self.key = tuple(files), key  # what holds a run; the setting a refusal names
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if first_process():
-            self._claim(Path(config.hydra.run.dir), config, RUN_FILES, "hydra.run.dir")
+            self._claim(Path(config.hydra.run.dir), config, self.files, self.key)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if first_process() and not continues_study(config):
@@ -146,3 +151,12 @@ class RunFolderGuard(Callback):
                   everything=True)  # fmt: skip
         except RunFolderTaken as refused:
             raise SystemExit(f"Error: {refused}") from None  # Hydra would turn any Exception into a warning
+
+
+def follow_output_dir(argv: list[str]) -> list[str]:
+    """sample.py's command line, with `hydra.run.dir=X` added where it names `output_dir=X` but no run folder: Hydra's
+    `.hydra/` and `sample.log` then sit with the samples, not in an otherwise empty outputs/samples/<date>/<time>/."""
+    given = dict(arg.lstrip("+").split("=", 1) for arg in argv[1:] if "=" in arg and not arg.startswith("-"))
+    if "output_dir" not in given or "hydra.run.dir" in given or {"-m", "--multirun"} & set(argv):
+        return argv
+    return [*argv, f"hydra.run.dir={given['output_dir']}"]
