@@ -9,14 +9,12 @@ in ddpm.run_log, so that this module imports nothing of Hydra.
 """
 
 import logging
-import sys
-from typing import TextIO
 
 LOG = logging.getLogger("ddpm")
 LIGHTNING = ("lightning.pytorch", "lightning.fabric")  # each prints through its own handler, not the root's
 
 
-def say(message: str, *, file: TextIO | None = None) -> None:
-    """Print `message` (stdout, or `file`) and log it at INFO: into the run's log file under Hydra."""
-    print(message, file=file or sys.stdout)
+def say(message: str) -> None:
+    """Print `message` and log it at INFO: into the run's log file under Hydra."""
+    print(message)
     LOG.info(message)

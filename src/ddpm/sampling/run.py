@@ -161,5 +161,5 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         values = measure(out, cfg, loaded.config, device)
         text = json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2)
         atomic_write_text(out_dir / "metrics.json", text)
-        say("  ".join(f"{name} {value:.4g}" for name, value in values.items()), f"-> {out_dir / 'metrics.json'}")
+        say("  ".join(f"{name} {value:.4g}" for name, value in values.items()) + f" -> {out_dir / 'metrics.json'}")
     return out
