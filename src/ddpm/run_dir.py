@@ -19,9 +19,8 @@ Only the first process claims a folder: the other ranks of a DDP run write into 
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -32,6 +31,7 @@ RUN_FILES = ("config.yaml", "resume_diff.yaml", "result.json", "ema.pt", "ema.sa
              "csv", "tensorboard", "wandb", "lr_find.*", "hpc_ckpt_*.ckpt")  # fmt: skip
 SWEEP_FILES = ("summary.csv", "*/" + "result.json", *(f"*/{name}" for name in RUN_FILES))  # job folders inside
 CHECKPOINT_FILES = ("*.ckpt",)  # a checkpoint folder outside the run folder
+SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
 
 
@@ -123,11 +123,11 @@ def continues_study(config: DictConfig) -> bool:
 
 
 class RunFolderGuard(Callback):
-    """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring); sample.py's
-    guard names its own files and key (conf/sample.yaml)."""
+    """Applies the rule before Hydra writes into the run or sweep folder (see the module docstring); `entry=sample`
+    (conf/sample.yaml) guards sample.py's folder, whose results are SAMPLE_FILES and whose setting is output_dir."""
 
-    def __init__(self, *, files: Sequence[str] = RUN_FILES, key: str = "hydra.run.dir") -> None:
-        self.files, self.key = tuple(files), key  # what holds a run; the setting a refusal names
+    def __init__(self, *, entry: Literal["train", "sample"] = "train") -> None:
+        self.files, self.key = (RUN_FILES, "hydra.run.dir") if entry == "train" else (SAMPLE_FILES, "output_dir")
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if first_process():

@@ -21,11 +21,11 @@ from ddpm.config.entries import SampleKeys
 from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycle, denoiser_for
 from ddpm.diffusion.samplers.base import decoded
 from ddpm.logs import say
-from ddpm.metrics.evaluate import generate_sharded
+from ddpm.metrics.evaluate import generate_sharded, shard
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.ranks import init_from_env, world
-from ddpm.run_dir import claim
+from ddpm.run_dir import SAMPLE_FILES, claim
 from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
 from ddpm.sampling.runtime import (
     check_guidance,
@@ -37,8 +37,6 @@ from ddpm.sampling.runtime import (
 )
 from ddpm.weights import load_model
 from ddpm.weights.model import instantiate_local
-
-SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
 
 
 def requested_labels(labels: int | list[int] | None, num_samples: int, num_classes: int | None) -> Tensor | None:
@@ -150,10 +148,10 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         return out
     out_dir = Path(keys.output_dir)
     write_samples(out.images, out.labels, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
+    drawn = min(batch_size, shard(keys.num_samples, batch_size, world()[1], 0)[1])  # the batch rank 0 drew (its shard)
     say(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
-        f"{out.nfe} network evaluations per batch; batch {min(batch_size, -(-keys.num_samples // world()[1]))}, "
-        f"precision {precision}"
+        f"{out.nfe} network evaluations per batch; batch {drawn}, precision {precision}"
         f"{', channels_last' if keys.channels_last else ''}{', compiled' if keys.compile else ''}) "
         f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )

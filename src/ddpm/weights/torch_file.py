@@ -30,8 +30,8 @@ ADVICE = {  # what to pass instead, by the setting that named the file
 
 def first_sentence(error: BaseException, limit: int = 200) -> str:
     """The error's first sentence, at most `limit` characters (torch's zip errors go on with general advice)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    sentence = text.split(". ")[0]
+    lines = str(error).strip().splitlines()
+    sentence = lines[0].split(". ")[0] if lines else type(error).__name__
     return sentence if len(sentence) <= limit else sentence[: limit - 3] + "..."
 
 
