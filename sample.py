@@ -5,6 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from ddpm.config.overrides import hint_misspelled_overrides
 from ddpm.run_dir import follow_output_dir
 from ddpm.sampling import sample
 
@@ -16,4 +17,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = follow_output_dir(sys.argv)  # output_dir=X is Hydra's run folder too
-    main()
+    with hint_misspelled_overrides("sample"):
+        main()

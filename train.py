@@ -3,6 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
+from ddpm.config.overrides import hint_misspelled_overrides
 from ddpm.training import train
 
 
@@ -12,4 +13,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with hint_misspelled_overrides("train"):
+        main()

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from ddpm.atomic import WriteError, atomic_save
 from ddpm.config import UnknownKeyError, validate_config
+from ddpm.config.overrides import misspelled
 from ddpm.diffusion.generate import NonFiniteSamplesError, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.schedule import linear_betas
@@ -35,11 +36,38 @@ def composed(*overrides: str, name: str = "train"):
 
 
 @pytest.mark.slow
-def test_train_py_refuses_plus_lr_naming_optim_lr(tmp_path: Path) -> None:
-    result = train("+lr=3e-4", *TINY_RUN, f"hydra.run.dir={tmp_path}", check=False)
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [
+        ("+lr=3e-4", "lr: did you mean optim.lr?"),  # validate.py's
+        ("lr=3e-4", "lr: no such key; did you mean optim.lr?"),  # after Hydra's "use +lr=3e-4"
+    ],
+)
+def test_train_py_refuses_lr_naming_optim_lr(override: str, refusal: str, tmp_path: Path) -> None:
+    result = train(override, *TINY_RUN, f"hydra.run.dir={tmp_path}", check=False)
     assert result.returncode != 0
-    assert "lr: did you mean optim.lr?" in result.stderr
+    assert refusal in result.stderr, result.stderr
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "ema.pt").exists()
+
+
+def test_misspelled_overrides_are_named_with_the_key_meant() -> None:
+    """Hydra's refusal of `optim.lrr=1e-3` advises `+optim.lrr=1e-3`; misspelled() names optim.lr instead, for every
+    misspelled key, in the config the other overrides compose (a sweep by its first value)."""
+    found = misspelled("train", ["experiment=mnist", "optim.lrr=1e-3,2e-3", "model.base_chanels=64", "seed=3"])
+    assert list(found) == ["optim.lrr", "model.base_chanels"]
+    assert "did you mean optim.lr?" in found["optim.lrr"]
+    assert "did you mean model.base_channels?" in found["model.base_chanels"]
+    assert misspelled("sample", ["guidnace=3"]) == {"guidnace": "did you mean guidance? (set it with guidance=...)"}
+    assert misspelled("train", ["experiment=mnist", "optim.lr=1e-3,2e-3", "+optim.lrr=1"]) == {}  # composes
+    assert misspelled("train", ["model=unet_mnst", "optim.lrr=1"]) == {}  # a missing option: Hydra lists the options
+
+
+def test_encode_refuses_a_misspelled_key_in_two_lines_naming_the_key_meant(tmp_path: Path) -> None:
+    result = subprocess.run([PYTHON, "-m", "ddpm.data.encode", "vea=vaes/mine", f"out={tmp_path}"], cwd=REPO,
+                            env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: Could not override 'vea'" in result.stderr
+    assert "vea: no such key; did you mean vae?" in result.stderr.splitlines()[-1]
 
 
 @pytest.mark.parametrize(

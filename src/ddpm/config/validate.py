@@ -19,7 +19,7 @@ import difflib
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
@@ -150,15 +150,19 @@ class _Report:
             raise ConfigValueError("config values of the wrong type or out of range:\n  " + "\n  ".join(self.types))
 
     def _suggestion(self, key: str) -> str:
-        """The known key closest to `key`: in its own section first (the same name or a similar one, by difflib),
-        then anywhere (lr -> optim.lr); else the section's known keys."""
-        section, _, leaf = key.rpartition(".")
-        own = sorted(k for k in self.known if k.rpartition(".")[0] == section)
-        names = _closest(leaf, own) or _closest(leaf, sorted(self.known), cutoff=1.2)
-        if names:
-            return f"did you mean {names[0]}? (set it with {names[0]}=...)"
-        listed = ", ".join(k.rpartition(".")[2] for k in own[:20]) if section and own else ""
-        return f"{section} has: {listed}" if listed else "no similar key exists"
+        return suggest(key, self.known)
+
+
+def suggest(key: str, known: Iterable[str]) -> str:
+    """The known key closest to `key`: in its own section first (the same name or a similar one, by difflib),
+    then anywhere (lr -> optim.lr); else the section's known keys."""
+    section, _, leaf = key.rpartition(".")
+    own = sorted(k for k in known if k.rpartition(".")[0] == section)
+    names = _closest(leaf, own) or _closest(leaf, sorted(known), cutoff=1.2)
+    if names:
+        return f"did you mean {names[0]}? (set it with {names[0]}=...)"
+    listed = ", ".join(k.rpartition(".")[2] for k in own[:20]) if section and own else ""
+    return f"{section} has: {listed}" if listed else "no similar key exists"
 
 
 def _closest(leaf: str, keys: list[str], cutoff: float = 0.8) -> list[str]:
@@ -174,8 +178,11 @@ def _closest(leaf: str, keys: list[str], cutoff: float = 0.8) -> list[str]:
 
 
 def _similarity(a: str, b: str) -> float:
-    words_a, words_b = set(a.lower().split("_")), set(b.lower().split("_"))
-    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio() + len(words_a & words_b) / len(words_a | words_b)
+    a, b = a.lower(), b.lower()
+    if len(a) == len(b) and sorted(a) == sorted(b) and sum(x != y for x, y in zip(a, b, strict=True)) == 2:
+        return 1.5  # two letters swapped (vea -> vae), which difflib's ratio scores low on a short key
+    words_a, words_b = set(a.split("_")), set(b.split("_"))
+    return difflib.SequenceMatcher(None, a, b).ratio() + len(words_a & words_b) / len(words_a | words_b)
 
 
 _GROUPS = {"model", "diffusion", "data", "optim", "trainer", "module", "ema", "callbacks", "logger", "sampler", "hydra"}

@@ -197,7 +197,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, MemoryError) as error:  # each names the setting to change
-        sys.exit(f"python -m ddpm.data.encode: error: {error}")
+    from hydra.errors import HydraException
+
+    from ddpm.config.overrides import hint_misspelled_overrides
+
+    with hint_misspelled_overrides("encode"):
+        try:
+            main()
+        except (ValueError, FileNotFoundError, MemoryError, HydraException) as error:  # each names what to change
+            print(f"python -m ddpm.data.encode: error: {error}", file=sys.stderr)
+            sys.exit(1)

@@ -1,0 +1,81 @@
+"""A misspelled override named with the key it was meant to be. Hydra refuses `optim.lrr=1e-3` with "To append to
+your config use +optim.lrr=1e-3", advice that moves the typo into the config, where validate.py refuses it as a key
+nothing reads; `hint_misspelled_overrides` adds the key meant to the first refusal."""
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ddpm.config.validate import suggest
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
+def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) -> dict[str, str]:
+    """{key: the known key closest to it} for each override that names no key of `config_name` composed with the
+    other overrides (a sweep's first value stands for the sweep); {} where nothing else stops the composition."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    kept, bad = _first_values(overrides), []
+    GlobalHydra.instance().clear()  # hydra.main's, after a failed start
+    with initialize_config_dir(config_dir=str(conf.resolve()), version_base="1.3"):
+        while True:
+            try:
+                cfg = compose(config_name, overrides=kept)
+                break
+            except HydraException as error:
+                key = getattr(error.__cause__, "full_key", None)
+                named = [line for line in kept if line.lstrip("+~").split("=", 1)[0] == key]
+                if not key or not named:
+                    return {}  # another problem (a group option that does not exist ...): Hydra's message says it
+                bad.append(key)
+                kept = [line for line in kept if line not in named]
+    known = _keys(OmegaConf.to_container(cfg, resolve=False))
+    return {key: suggest(key, known) for key in bad}
+
+
+@contextmanager
+def hint_misspelled_overrides(config_name: str, argv: Sequence[str] | None = None) -> Iterator[None]:
+    """Run an entry point (`hydra.main`'s function); if it fails, name the key meant by each misspelled override
+    of `argv` (default: sys.argv) on stderr after Hydra's message."""
+    try:
+        yield
+    except (SystemExit, Exception) as error:
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):
+            _explain(config_name, list(sys.argv[1:] if argv is None else argv))
+        raise
+
+
+def _explain(config_name: str, argv: list[str]) -> None:
+    if any(arg in ("-cn", "--config-name", "-cp", "--config-path") or arg.startswith("--config") for arg in argv):
+        return  # another config than the one named here
+    try:
+        found = misspelled(config_name, [arg for arg in argv if "=" in arg and not arg.startswith("-")])
+    except Exception:  # the hint is a courtesy: the run's own error stands
+        return
+    for key, hint in found.items():
+        print(f"{key}: no such key; {hint} (`+{key}=` would add a key that nothing reads)", file=sys.stderr)
+
+
+def _first_values(overrides: Sequence[str]) -> list[str]:
+    """The overrides with each sweep (a,b / range(...)) replaced by its first value, intervals left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    kept = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if not override.is_sweep_override():
+            kept.append(override.input_line)
+        elif not override.is_interval_sweep():
+            kept.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
+    return kept
+
+
+def _keys(node: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a config as plain data."""
+    nested = lambda key, value: _keys(value, f"{prefix}{key}.") if isinstance(value, dict) else []  # noqa: E731
+    return [k for key, value in node.items() for k in (f"{prefix}{key}", *nested(key, value))]
