@@ -24,7 +24,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ddpm.sweep import SUMMARY_FILE, SweepSummary, check_objective, fid_metrics, logged_metrics
+from ddpm.sweep import SUMMARY_FILE, SweepSummary, check_objective, fid_metrics, logged_metrics, never_validates
 
 TINY_SWEEP = [*TINY_RUN, "callbacks.sample_grid=null", "optim.warmup_steps=0", "callbacks.nan_guard.max_consecutive=2"]
 CLASSIFIER_FID = ["+callbacks/fid=classifier", "callbacks.fid.features=c.pt"]  # the file is read at fit start only
@@ -320,3 +320,30 @@ def test_lr_find_json_records_the_warning(tmp_path: Path, monkeypatch: pytest.Mo
         tuning.tune_lr(cfg, tmp_path)
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert record["lr_at_min"] == lr_range(30)[-1] and "tune.lr_find.max_lr" in record["warning"]
+
+
+@pytest.mark.parametrize(
+    ("trainer", "refused"),
+    [
+        ({"max_steps": 6, "val_check_interval": 10}, "val_check_interval=6 or lower"),
+        ({"max_steps": 6, "val_check_interval": 10, "accumulate_grad_batches": 2}, None),  # 12 batches: one validation
+        ({"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 0}, "limit_val_batches=0"),
+        ({"max_steps": -1, "val_check_interval": 10}, None),  # no step limit
+        ({"max_steps": 6, "val_check_interval": 0.5}, None),  # a fraction of an epoch: at the epoch's middle
+        ({"max_steps": 6, "val_check_interval": 10, "check_val_every_n_epoch": 1}, None),  # at the epoch's end
+    ],
+)
+def test_never_validates_follows_lightnings_validation_schedule(trainer: dict, refused: str | None) -> None:
+    why = never_validates(trainer)
+    assert why is None if refused is None else refused in why
+
+
+def test_a_sweep_whose_jobs_would_never_validate_is_refused_at_each_jobs_start(tmp_path: Path) -> None:
+    """Before: each job trained to the end and recorded val/loss null, status COMPLETED."""
+    sweep = tmp_path / "sweep"
+    result = train("-m", *TINY_SWEEP, "trainer.val_check_interval=100", "optim.lr=1e-3", f"hydra.sweep.dir={sweep}",
+                   check=False)  # fmt: skip
+    assert result.returncode == 1
+    (row,) = read_summary(sweep)
+    assert row["status"] == "FAILED" and "no job of this sweep would validate" in row["error"], row
+    assert "set trainer.val_check_interval=6 or lower" in row["error"] and not (sweep / "0" / "checkpoints").exists()

@@ -12,7 +12,8 @@ FAILED JobReturn, hydra/core/utils.py), before the callbacks' `on_multirun_end`:
 callback prints the table when the process exits. An Optuna study (ddpm.optuna_sweeper) records a failed trial
 and goes on: it exits 0 unless `hydra.sweeper.max_failures` is reached or no trial completed.
 
-`check_objective` refuses an `objective` the run will never log, before the first step (train() calls it).
+`check_objective` refuses an `objective` the run will never log, before the first step (train() calls it); in a
+sweep also one logged at validation when no validation will run.
 """
 
 import atexit
@@ -75,6 +76,9 @@ def check_objective(resolved: dict[str, Any]) -> None:
     objective = resolved.get("objective") or "val/loss"
     keys = logged_metrics(resolved)
     if objective in keys:
+        if objective.startswith("val/") and in_sweep() and (why := never_validates(resolved.get("trainer") or {})):
+            raise ValueError(f"objective={objective!r} is logged at validation, and no job of this sweep would "
+                             f"validate (each would return no value): {why}")  # fmt: skip
         return
     closest = difflib.get_close_matches(objective, keys, n=1, cutoff=0.0)[0]
     raise ValueError(
@@ -82,6 +86,24 @@ def check_objective(resolved: dict[str, Any]) -> None:
         f"logs {keys}: did you mean objective={closest}? (val/fid@K and val/cfid@K need the FID callback, "
         "+callbacks/fid=inception or +callbacks/fid=classifier; K is callbacks.fid.num_samples as logged: 500, 1k)"
     )
+
+
+def in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def never_validates(trainer: dict[str, Any]) -> str | None:
+    """Why a run with these Lightning Trainer settings would end before its first validation, else None (a
+    fractional val_check_interval or check_val_every_n_epoch: validation at epoch ends, assumed to come)."""
+    interval, steps = trainer.get("val_check_interval", 1.0), trainer.get("max_steps", -1)
+    batches = None if steps in (None, -1) else steps * (trainer.get("accumulate_grad_batches") or 1)
+    if trainer.get("limit_val_batches") == 0:
+        return "trainer.limit_val_batches=0 turns validation off"
+    if type(interval) is int and trainer.get("check_val_every_n_epoch") is None and batches and batches < interval:
+        return (f"the first validation comes after trainer.val_check_interval={interval} training batches and the "
+                f"run stops after {batches} (trainer.max_steps x accumulate_grad_batches): set "
+                f"trainer.val_check_interval={batches} or lower, or raise trainer.max_steps")  # fmt: skip
+    return None
 
 
 def logged_metrics(resolved: dict[str, Any]) -> list[str]:
