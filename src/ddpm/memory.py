@@ -12,16 +12,14 @@ context, allocator fragmentation and temporaries of backward (allow ~20-30% more
 import argparse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ddpm.config import build
+from ddpm.config import CONF, build
 from ddpm.precision import resolve_precision
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 

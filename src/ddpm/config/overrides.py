@@ -9,9 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ddpm.config import CONF
 from ddpm.config.validate import suggest
-
-CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) -> dict[str, str]:
@@ -52,7 +51,7 @@ def hint_misspelled_overrides(config_name: str, argv: Sequence[str] | None = Non
 
 
 def _explain(config_name: str, argv: list[str]) -> None:
-    if any(arg in ("-cn", "--config-name", "-cp", "--config-path") or arg.startswith("--config") for arg in argv):
+    if any(arg in ("-cn", "-cp", "-cd") or arg.startswith("--config") for arg in argv):
         return  # another config than the one named here
     try:
         found = misspelled(config_name, [arg for arg in argv if "=" in arg and not arg.startswith("-")])

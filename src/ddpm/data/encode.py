@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddpm.atomic import atomic_write_text
+from ddpm.config import CONF
 from ddpm.data.encode_plan import Plan, images_of, prepare_out, settings_of
 from ddpm.data.latent_shards import (
     FORMAT,
@@ -43,8 +44,6 @@ from ddpm.data.latent_shards import (
     write_shard,
 )
 from ddpm.models.vae import VAE
-
-CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 @dataclass(frozen=True)
