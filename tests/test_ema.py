@@ -235,6 +235,55 @@ def test_checkpoint_file_round_trip(tmp_path):
     assert all(torch.equal(resumed.shadow[k], v) for k, v in saved.items())
 
 
+class SavesDuringValidation(Tiny):
+    """Writes a checkpoint from inside validation, as Lightning's SLURM requeue handler does from its signal."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.path = path
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0 and not self.trainer.sanity_checking and not self.path.exists():
+            self.trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_written_during_validation_holds_the_trained_weights_not_the_ema(tmp_path):
+    """Validation runs with the EMA weights swapped into the net; a checkpoint written then (SLURM's requeue
+    handler saves whenever its signal comes) resumed training from the EMA weights."""
+    pl.seed_everything(0, verbose=False)
+    ema, module, trained = EMA(decay=0.9, warmup=False), SavesDuringValidation(tmp_path / "during.ckpt"), {}
+    probe = pl.Callback()  # before the EMA callback: sees the net's own weights before the swap
+    probe.on_validation_epoch_start = lambda t, m: trained.update({k: v.clone() for k, v in m.net.state_dict().items()})
+    fit = pl.Trainer(accelerator="cpu", max_steps=4, val_check_interval=4, limit_val_batches=1, logger=False,
+                     callbacks=[probe, ema], enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path)  # fmt: skip
+    fit.fit(module, loader(), loader())
+    saved = torch.load(tmp_path / "during.ckpt", weights_only=False)
+    for k in ("weight", "bias"):
+        assert torch.equal(saved["state_dict"][f"net.{k}"], trained[k])
+        assert not torch.equal(trained[k], saved[CHECKPOINT_KEY][k])  # the EMA differs: the check can fail
+        assert torch.equal(module.net.state_dict()[k], trained[k])  # and the net has its own weights back
+
+
+def test_resuming_a_checkpoint_without_ema_weights_starts_the_ema_from_its_weights(tmp_path):
+    """The shadow is made in setup, before the Trainer loads the checkpoint into the net: without ema_state_dict
+    it held the new module's random initial weights, not the checkpoint's as the warning says."""
+    pl.seed_everything(0, verbose=False)
+    first = trainer(tmp_path, max_steps=3, ema=EMA(decay=0.9))
+    first.fit(Tiny(), loader())
+    path = tmp_path / "no_ema.ckpt"
+    first.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint[CHECKPOINT_KEY]
+    torch.save(checkpoint, path)
+    pl.seed_everything(1, verbose=False)
+    resumed = EMA(decay=0.9)
+    with pytest.warns(UserWarning, match="holds no EMA weights"):
+        trainer(tmp_path, max_steps=3, ema=resumed).fit(Tiny(), loader(), ckpt_path=path)  # nothing left to train
+    for k in ("weight", "bias"):
+        assert torch.equal(resumed.shadow[k], checkpoint["state_dict"][f"net.{k}"])
+
+
 @pytest.mark.parametrize("decay", [0.0, 0.5, 0.9, 0.99, 0.995, 0.998, 0.999, 0.9995, 0.9999])
 def test_warmup_reaches_the_first_update_at_the_decay(decay):
     """Against a scan of the closed form (1 + n) / (10 + n) >= d (n >= (10 d - 1) / (1 - d): 8,990 for 0.999)."""

@@ -83,6 +83,7 @@ class EMA(Callback):
         self.num_updates = 0  # updates applied so far
         self.last_step = 0  # trainer.global_step at the last update check
         self.shadow: dict[str, Tensor] | None = None  # float32 averages, keyed as net.state_dict()
+        self._trained: list[tuple[nn.Module, dict[str, Tensor]]] = []  # (net, its own weights) while swapped
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.shadow is None:
@@ -141,9 +142,11 @@ class EMA(Callback):
         with torch.no_grad():
             for k, v in self._require_shadow().items():
                 live[k].copy_(v)
+        self._trained.append((net, backup))  # what a checkpoint written meanwhile saves as the net's weights
         try:
             yield
         finally:
+            self._trained.pop()
             with torch.no_grad():
                 for k, v in backup.items():
                     live[k].copy_(v)
@@ -168,11 +171,18 @@ class EMA(Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.shadow is not None:
             checkpoint[CHECKPOINT_KEY] = {k: v.detach().clone() for k, v in self.shadow.items()}
+        if self._trained:  # written while the EMA weights are swapped in (validation, a grid): SLURM's requeue
+            net, trained = self._trained[0]  # handler saves from a signal, whenever it comes; the outermost swap
+            prefix = next(name for name, module in pl_module.named_modules() if module is net)
+            checkpoint["state_dict"].update({f"{prefix}.{k}": v.clone() for k, v in trained.items()})
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         shadow = self._require_shadow()
-        if CHECKPOINT_KEY not in checkpoint:
+        if CHECKPOINT_KEY not in checkpoint:  # the net holds the checkpoint's weights now; the shadow, setup's
             rank_zero_warn("The checkpoint holds no EMA weights; the EMA starts again from the model's weights.")
+            with torch.no_grad():
+                for k, v in _tensors(pl_module.net).items():
+                    shadow[k].copy_(v)
             return
         saved = checkpoint[CHECKPOINT_KEY]
         if saved.keys() != shadow.keys():
