@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
-from ddpm.data.shards import ShardError, assign_shards, expand_urls
-from ddpm.data.sources import DigitsSource
+from ddpm.data.shards import ShardError, assign_shards, decode, expand_urls
+from ddpm.data.sources import DigitsSource, ImageFolderSource
 from ddpm.data.webdataset import ShardStream, WebDataModule
 
 
@@ -190,3 +190,18 @@ def test_train_py_runs_on_shards(tmp_path: Path):
     assert sum(1 for r in rows if r.get("train/loss")) == 8
     assert sum(1 for r in rows if r.get("val/loss")) >= 2
     assert (run_dir / "ema.pt").is_file()
+
+
+@pytest.mark.parametrize("size", [(64, 40), (28, 24), (20, 36)])  # (width, height): larger, smaller, portrait
+def test_a_non_square_image_in_a_shard_is_cropped_as_an_image_folder_crops_it(tmp_path: Path, size) -> None:
+    """decode() read only the width: 28x24 came out (1, 28, 32) (torch.stack fails on a mixed batch), 64x40 was
+    squashed to a square; data=image_folder centre-crops the same file."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (size[1], size[0]), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    (tmp_path / "a").mkdir()
+    Image.fromarray(pixels.numpy()).save(tmp_path / "a" / "x.png")
+    folder = ImageFolderSource(root=str(tmp_path)).load(image_size=32, channels=1).images[0]
+    image, label = decode({"png": (tmp_path / "a" / "x.png").read_bytes(), "cls": b"3"}, image_size=32, channels=1)
+    assert image.shape == (1, 32, 32) and label == 3
+    assert torch.equal(image, folder)

@@ -59,8 +59,11 @@ def resize_uint8(images: Tensor, size: int) -> Tensor:
 
 
 def fit_to_size(images: Tensor, size: int) -> Tensor:
-    """Pad small square images with a centred zero border (MNIST 28 -> 32, as is standard), else resize."""
+    """Pad small square images with a centred zero border (MNIST 28 -> 32, as is standard), else resize (square
+    images only: centre_crop takes others)."""
     height = images.shape[-1]
+    if images.shape[-2] != height:
+        raise ValueError(f"fit_to_size takes square images, not {tuple(images.shape[-2:])}: centre_crop them")
     if height < size and (size - height) % 2 == 0 and (size - height) <= height // 4:
         pad = (size - height) // 2
         return F.pad(images, (pad, pad, pad, pad))

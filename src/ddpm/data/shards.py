@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import get_worker_info
 
-from ddpm.data.images import PILLOW_MAX_PIXELS, convert_channels, fit_to_size, open_image
+from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, convert_channels, fit_to_size, open_image
 
 OnError = Literal["raise", "skip"]
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
@@ -165,7 +165,7 @@ def decode(
 ) -> tuple[Tensor, int]:
     """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index. Decoded upright (EXIF
     orientation applied); modes convert as ddpm.data.images says (16-bit scaled, transparency onto white, ...);
-    images over max_pixels are refused."""
+    a non-square image is centre-cropped as data=image_folder does; images over max_pixels are refused."""
     import numpy as np
 
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in fields), None)
@@ -175,9 +175,12 @@ def decode(
     mode = {1: "L", 3: "RGB"}.get(channels)  # type: ignore[arg-type]
     image = open_image(fields[image_ext], mode, name=f"image {key}.{image_ext}", max_pixels=max_pixels,
                        setting="data.max_pixels")  # fmt: skip
-    array = np.asarray(image, dtype=np.uint8)
-    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
-    tensor = fit_to_size(torch.from_numpy(array.copy())[None], image_size)
+    if image.width != image.height:  # as data=image_folder: the short side resized, the centre square cropped
+        tensor = centre_crop(image, image_size)[None]
+    else:  # square: a small one padded (MNIST 28 -> 32), else resized
+        array = np.asarray(image, dtype=np.uint8)
+        array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+        tensor = fit_to_size(torch.from_numpy(array.copy())[None], image_size)
     return convert_channels(tensor, channels)[0], int(fields[label_ext].decode().strip())
 
 
