@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import helpers
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
@@ -128,3 +129,50 @@ def test_resume_under_gradient_accumulation(tmp_path: Path) -> None:
     assert_same_state(tmp_path / "straight/checkpoints/last.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
     straight, resumed = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     assert resumed == {s: v for s, v in straight.items() if s >= 3}
+
+
+class Indices(torch.utils.data.Dataset):
+    """Sample i is the number i: the batches name the positions trained on."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)])
+
+
+class Recording(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.seen = torch.nn.Linear(1, 1), []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.current_epoch, batch.view(-1).long().tolist()))
+        return self.net(batch).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        from ddpm.data.sampler import ResumableLoader, ResumableSampler
+
+        data = Indices()
+        return ResumableLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=2, drop_last=True)
+
+
+@pytest.mark.parametrize("limit", [2, 6])  # of 8 batches per epoch
+def test_a_resume_at_the_end_of_an_epoch_cut_by_limit_train_batches_equals_the_straight_run(tmp_path, limit) -> None:
+    """The checkpoint after the limit's last batch: the sampler's resume skip (12 of epoch 0's 16 positions at
+    limit 6) was applied to epoch 1 instead, which then lost its first batches."""
+
+    def fit(ckpt_path=None) -> list:
+        module = Recording()
+        every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = pl.Trainer(max_epochs=3, limit_train_batches=limit, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[every], accelerator="cpu")  # fmt: skip
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module.seen
+
+    straight = fit()
+    assert [epoch for epoch, _ in straight] == [0] * limit + [1] * limit + [2] * limit
+    assert fit(tmp_path / f"step={limit}.ckpt") == straight[limit:]

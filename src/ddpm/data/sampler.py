@@ -54,10 +54,16 @@ class ResumableSampler(DistributedSampler):
             seed=default_seed() if seed is None else seed,
             drop_last=drop_last,
         )
-        self.skip = 0  # indices to drop from the start of the next pass (set on resume)
+        self.skip = 0  # indices to drop from the start of the pass over epoch `skip_epoch` (set on resume)
+        self.skip_epoch = 0
+
+    def pending(self) -> int:
+        """The indices this pass skips: the resume's, unless the loop moved on to the next epoch first
+        (trainer.limit_train_batches ended the resumed epoch at the checkpoint)."""
+        return self.skip if self.epoch == self.skip_epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())[self.skip :]
+        indices = list(super().__iter__())[self.pending() :]
         self.skip = 0
         return iter(indices)
 
@@ -75,8 +81,8 @@ class ResumableLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        self.consumed = sampler.skip
-        self.batches_done = len(self) - (len(sampler) - sampler.skip) // self.batch_size  # type: ignore[operator]
+        self.consumed = sampler.pending()
+        self.batches_done = len(self) - (len(sampler) - self.consumed) // self.batch_size  # type: ignore[operator]
         for batch in super().__iter__():
             self.batches_done += 1
             self.consumed += self.batch_size  # type: ignore[operator]
@@ -100,7 +106,7 @@ class ResumableLoader(DataLoader):
             skip = 0
         else:
             sampler.set_epoch(state["epoch"])
-        sampler.skip = self.consumed = skip
+        sampler.skip, sampler.skip_epoch, self.consumed = skip, sampler.epoch, skip
         self.batches_done = len(self) - left if left > 0 else len(self)
         self.resume_shift = self.batches_done - state["batches_done"]  # Lightning restores the checkpoint's count
 
