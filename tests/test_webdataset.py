@@ -127,6 +127,38 @@ def test_datamodule_holds_out_validation_shards_and_scales_on_the_device(shards)
         WebDataModule(urls=urls[0], image_size=8, batch_size=4).setup("fit")
 
 
+@pytest.mark.parametrize("num_shards", [5, 3])  # more shards than the 4 slots, not a multiple; fewer
+def test_every_training_slot_draws_every_image_equally_often(tmp_path: Path, num_shards: int):
+    """4 slots (ranks), each an epoch of one pass's worth of images: every image drawn exactly once per slot. When
+    each slot read a fixed part of the shards, a slot with less to read cycled it faster: with 5 shards slot 0 held
+    two and its images came half as often; with 3, the shard split between two slots came twice as often."""
+    images, labels = unique_images(num_shards * 20)
+    urls = [str(p) for p in write_shards(images, labels, tmp_path, samples_per_shard=20)]
+    per_epoch = len(images) // 5  # batches of 5: one pass over all images
+    counts: dict[str, int] = {}
+    for rank in range(4):
+        for image in collect(stream(urls, batches_per_epoch=per_epoch, rank=rank, world_size=4, batch_size=5))[0]:
+            counts[digest(image)] = counts.get(digest(image), 0) + 1
+    assert counts == {digest(image): 4 for image in images}
+
+
+def test_a_resumed_stream_draws_a_fresh_order_not_the_first_epochs_again(shards):
+    """The pass count lives in the DataLoader workers and restarts with them: a resumed run (each SLURM requeue)
+    replayed the first epochs' order. The order now also depends on the step the fit starts at."""
+    from types import SimpleNamespace
+
+    urls = shards[0]
+
+    def first_epoch(global_step: int) -> list[str]:
+        dm = WebDataModule(urls=urls, image_size=8, channels=1, batch_size=4, num_workers=0, epoch_length=16)
+        dm.trainer = SimpleNamespace(global_step=global_step, world_size=1, global_rank=0)
+        dm.setup("fit")
+        return [digest(image) for x, _ in dm.train_dataloader() for image in x]
+
+    assert first_epoch(0) == first_epoch(0)  # a run is reproducible
+    assert first_epoch(500) != first_epoch(0) and first_epoch(500) == first_epoch(500)
+
+
 def truncate(path: str) -> None:
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[: len(data) // 2 + 100])

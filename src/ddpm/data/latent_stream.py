@@ -1,9 +1,10 @@
 """Streaming a VAE's latent shards (ddpm.data.latent_shards) for `data=latents data.stream=true`.
 
-The shards are split over (rank, DataLoader worker) slots as WebDataModule splits pixel shards (ddpm.data.shards'
-`assign_shards`: slots that share a shard keep every k-th of its images), each slot keeps the images of one split
-(the train/val split of ddpm.data.latents), and training passes over the slot's shards for ever, each pass in a fresh
-shard order through its own shuffle buffer, `batches_per_epoch` batches per rank and epoch.
+As WebDataModule streams pixel shards (ddpm.data.webdataset): every (rank, DataLoader worker) slot keeps the images
+of one split (the train/val split of ddpm.data.latents); training passes over all the shards for ever, each pass in
+the slot's own fresh shard order (seeded by the seed, the slot, the pass and the step the run started or resumed at)
+through its own shuffle buffer, `batches_per_epoch` batches per rank and epoch; validation reads the slot's part of
+the shards once (ddpm.data.shards' `assign_shards`: slots that share a shard keep every k-th of its images).
 """
 
 import random
@@ -40,6 +41,7 @@ class LatentStream(IterableDataset[Batch]):
         self.paths, self.keep, self.latent_shape, self.batch_size = paths, keep, latent_shape, batch_size
         self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
         self.rank, self.world_size, self.epoch = rank, world_size, 0
+        self.start = 0  # the optimizer step the run started at (a resume's: a fresh order, not the first passes')
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -47,17 +49,18 @@ class LatentStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        share = worker_share(self.paths, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch)
+        share = worker_share(self.paths, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
+                             start=self.start)  # fmt: skip
         self.epoch += 1
-        if self.batches_per_epoch is None:  # validation: one ordered pass
+        if self.batches_per_epoch is None:  # validation: one ordered pass over this slot's part
             yield from batches(self._pass(share.shards, share.offset, share.stride), self.batch_size, count=None)
             return
-        items = self._passes(share.shards, share.offset, share.stride, share.rng)
+        items = self._passes(self.paths, 0, 1, share.rng)  # training: every shard, in this slot's own order
         yield from batches(items, self.batch_size, count=share.batch_count(self.batches_per_epoch))
 
     def _passes(self, paths: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[Batch]:
-        """Endless passes over this slot's images, each in a fresh shard order through its own shuffle buffer
-        (emptied at the pass's end, so one slot's epoch of its images' size holds each of them once)."""
+        """Endless passes over the images of `paths`, each in a fresh shard order through its own shuffle buffer
+        (emptied at the pass's end, so a pass holds each image once)."""
         while True:
             order = rng.sample(paths, len(paths))
             produced = 0
@@ -66,8 +69,8 @@ class LatentStream(IterableDataset[Batch]):
                 produced += 1
                 yield item
             if produced == 0:
-                raise ValueError(f"the shards {order} hold no training images for this process and worker; lower "
-                                 "data.num_workers or encode with a smaller samples_per_shard")  # fmt: skip
+                raise ValueError(f"the shards {order} hold no training images (all in the validation split?); "
+                                 "check data.root and data.val_size")  # fmt: skip
 
     def _pass(self, paths: list[str], offset: int, stride: int) -> Iterator[Batch]:
         """The slot's images of the split in `paths`, in order: every stride-th, from offset (shared shards)."""

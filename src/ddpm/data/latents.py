@@ -222,6 +222,8 @@ class LatentDataModule(pl.LightningDataModule):
                                                           collate_fn=keep_batch, **common)  # fmt: skip
 
     def train_dataloader(self) -> DataLoader[Batch]:
+        if isinstance(self.train_set, LatentStream) and self.trainer is not None:  # after a checkpoint is restored
+            self.train_set.start = self.trainer.global_step
         return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader[Batch]:

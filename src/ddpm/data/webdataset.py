@@ -1,12 +1,16 @@
 """WebDataModule: streams tar shards (WebDataset layout: `<key>.png` + `<key>.cls` per sample) for data
 too large to preload, with the same uint8 (B, C, H, W) batches and device-side scaling as RAMDataModule.
 
-Shards are split by rank, then by DataLoader worker: slot s = rank * workers + worker of S slots reads
-shards[s::S]. With fewer shards than slots, slots share a shard and each keeps every k-th sample of it,
-so every sample still goes to exactly one slot (WebDataset's own splitter would leave slots empty and
-raise "No samples found"). Training resamples: each slot cycles through its shards in a fresh order
-every pass, through a shuffle buffer, and an epoch is a fixed number of batches (`epoch_length`).
-Validation is one ordered pass over `val_urls` (or the last `val_shards` of `urls`).
+Training resamples: each (rank, DataLoader worker) slot passes over all training shards for ever, each pass in
+its own fresh order (seeded by the seed, the slot, the pass and the step the run started or resumed at), through a
+shuffle buffer; an epoch is a fixed number of batches (`epoch_length`). A pass holds each image once, so every
+image has the same chance to be drawn, whatever the number of shards, slots and images per shard (a slot reading
+a fixed part of the shards drew the images of a small part more often: 2x with 3 shards and 4 slots).
+
+Validation is one ordered pass over `val_urls` (or the last `val_shards` of `urls`), split by rank, then by
+worker: slot s of S reads shards[s::S]; with fewer shards than slots, slots share a shard and each keeps every
+k-th sample of it, so every sample goes to exactly one slot (WebDataset's own splitter would leave slots empty
+and raise "No samples found").
 
 Local paths, `file:` and `pipe:` shards are opened with `webdataset.gopen`; http(s) ones are streamed with a
 per-read timeout (`timeout_s`), and every failure names the URL (see ddpm.data.shards). With on_error=skip,
@@ -53,6 +57,7 @@ class ShardStream(IterableDataset[Batch]):
         self.on_error, self.rank, self.world_size = on_error, rank, world_size
         self.max_pixels, self.timeout_s = max_pixels, timeout_s
         self.epoch = 0  # passes started in this process (workers are persistent, so it keeps counting)
+        self.start = 0  # the optimizer step the run started at (a resume's: a fresh order, not the first passes')
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -60,9 +65,13 @@ class ShardStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        share = worker_share(self.urls, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch)
+        share = worker_share(self.urls, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
+                             start=self.start)  # fmt: skip
         self.epoch += 1
-        samples = self._samples(share.shards, share.offset, share.stride, share.rng)
+        if self.batches_per_epoch is None:  # validation: this slot's part
+            samples = self._samples(share.shards, share.offset, share.stride, share.rng)
+        else:  # training: every shard, in this slot's own order each pass
+            samples = self._samples(self.urls, 0, 1, share.rng)
         if self.shuffle_buffer > 1:
             samples = shuffle_buffer(samples, self.shuffle_buffer, share.rng)
         if self.batches_per_epoch is None:
@@ -218,6 +227,8 @@ class WebDataModule(ScaleOnDevice):
         )
 
     def train_dataloader(self) -> DataLoader[Batch]:
+        if self.train_set is not None and self.trainer is not None:  # after a checkpoint is restored
+            self.train_set.start = self.trainer.global_step
         return self._loader(self.train_set)
 
     def val_dataloader(self) -> DataLoader[Batch]:
