@@ -265,6 +265,26 @@ def test_a_checkpoint_written_during_validation_holds_the_trained_weights_not_th
         assert torch.equal(module.net.state_dict()[k], trained[k])  # and the net has its own weights back
 
 
+class FailsInValidation(Tiny):
+    def validation_step(self, batch, batch_idx):
+        raise RuntimeError("validation failed")
+
+
+def test_a_validation_that_raises_leaves_the_net_its_own_weights(tmp_path):
+    """The swap back happens at the validation epoch's end, which an error skips: the net kept the EMA weights."""
+    pl.seed_everything(0, verbose=False)
+    ema, module, trained = EMA(decay=0.9, warmup=False), FailsInValidation(), {}
+    probe = pl.Callback()  # before the EMA callback: sees the net's own weights before the swap
+    probe.on_validation_epoch_start = lambda t, m: trained.update({k: v.clone() for k, v in m.net.state_dict().items()})
+    fit = pl.Trainer(accelerator="cpu", max_steps=4, val_check_interval=4, limit_val_batches=1, logger=False,
+                     callbacks=[probe, ema], enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(RuntimeError, match="validation failed"):
+        fit.fit(module, loader(), loader())
+    assert all(torch.equal(module.net.state_dict()[k], v) for k, v in trained.items())
+    assert not torch.equal(trained["weight"], ema.shadow["weight"]) and ema._trained == []
+
+
 def test_resuming_a_checkpoint_without_ema_weights_starts_the_ema_from_its_weights(tmp_path):
     """The shadow is made in setup, before the Trainer loads the checkpoint into the net: without ema_state_dict
     it held the new module's random initial weights, not the checkpoint's as the warning says."""

@@ -162,6 +162,9 @@ class EMA(Callback):
             self._validation_swap = None
             swap.__exit__(None, None, None)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_validation_epoch_end(trainer, pl_module)  # a validation that raised: the net gets its weights back
+
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "num_updates": self.num_updates, "last_step": self.last_step}
 
