@@ -13,18 +13,22 @@ same freshly imported state, and one command's state never reaches the next.
 ddpm.<module>`; not multi-process runs (DDP re-launches sys.argv; launchers); not where the environment differs from
 the server's in a key read at start-up or import (IMPORT_TIME: PYTHONPATH, OMP_NUM_THREADS, TORCH*, ...). The child
 gets the command's whole environment, so keys read at run time (W&B, Hydra, PL_GLOBAL_SEED) act as when exec'd.
-Everything else, every documented command (tests/test_docs_commands.py runs them through bash) and, with
-DDPM_TESTS_EXEC=1, every command is exec'd.
+Everything else (tests/test_docs_commands.py runs the documented commands with shell syntax, make and the
+benchmark scripts through bash) and, with DDPM_TESTS_EXEC=1, every command is exec'd.
 """
 
 import atexit
 import json
 import os
+import queue
+import re
 import runpy
 import select
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
@@ -81,6 +85,36 @@ class Server:
         if not ready:
             raise subprocess.TimeoutExpired(list(argv), timeout, stdout, stderr)
         return subprocess.CompletedProcess(list(argv), status, stdout, stderr)
+
+
+def plain(line: str) -> list[str]:
+    """A command line's words where it is one `python ...` command without shell syntax, else []."""
+    return shlex.split(line) if re.fullmatch(r"python [^|&;<>$`\\*?]+", line) else []
+
+
+class Pool:
+    """Servers for commands run from several threads at once: one per thread in use, each started on first need."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env, self.idle, self.started = dict(env), queue.Queue(), []
+
+    def run(self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], timeout: float
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        try:
+            server = self.idle.get_nowait()
+        except queue.Empty:
+            server = Server(self.env)
+            self.started.append(server)
+        try:
+            with tempfile.TemporaryDirectory(prefix="warm-") as folder:
+                return server.run(argv, cwd=cwd, env=env, timeout=timeout, folder=Path(folder))
+        finally:
+            self.idle.put(server)
+
+    def close(self) -> None:
+        for server in self.started:
+            server.process.stdin.close()
+            server.process.wait(timeout=30)
 
 
 def child(request: dict) -> None:
