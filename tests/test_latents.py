@@ -204,6 +204,21 @@ def test_ram_and_streamed_latents_give_the_same_samples(encoded: Path) -> None:
     assert key(*rows(workers.val_dataloader())) == key(*rows(ram.val_dataloader()))
 
 
+def test_a_resumed_latent_stream_draws_a_fresh_order_from_every_shard(encoded: Path) -> None:
+    """As for pixel shards (tests/test_webdataset.py): the order also depends on the step the fit starts at, so a
+    resume does not replay the first epochs; the rank-1-of-2 slot draws from every shard, not only its part."""
+
+    def first_epoch(global_step: int, rank: int = 0) -> list:
+        dm = LatentDataModule(root=str(encoded), batch_size=5, val_size=0.05, stream=True, shuffle_buffer=0)
+        dm.trainer = SimpleNamespace(global_step=global_step, world_size=2, global_rank=rank)
+        dm.setup("fit")
+        return [row.flatten().tolist() for moments, _ in dm.train_dataloader() for row in moments]
+
+    assert first_epoch(0) == first_epoch(0) and first_epoch(300) != first_epoch(0)
+    seen = {tuple(row) for step in range(0, 800, 100) for row in first_epoch(step)}  # rank 0's epochs: half the data
+    assert len(seen) == 190  # every training latent, not only a fixed part of the shards
+
+
 def test_batches_are_posterior_samples_on_the_device(encoded: Path) -> None:
     dm = LatentDataModule(root=str(encoded), batch_size=8)
     dm.setup("fit")
