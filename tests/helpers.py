@@ -120,21 +120,19 @@ def run(
     return result
 
 
-_SERVER: list[warm.Server] = []  # this pytest process's warm server, started on first use
+_POOL: list[warm.Pool] = []  # this pytest process's warm servers (tests/warm.py), made on first use
 
 
 def _changed(full: dict[str, str]) -> dict[str, str]:
-    """The keys in which `full` differs from the warm server's environment (the tests' own, env())."""
-    base = _SERVER[0].env if _SERVER else env()
+    """The keys in which `full` differs from the warm servers' environment (the tests' own, env())."""
+    base = _POOL[0].env if _POOL else env()
     return {k: full.get(k, "") for k in base.keys() | full.keys() if full.get(k) != base.get(k)}
 
 
 def _warm_run(argv: list[str], cwd: Path, full: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """`argv` as a fork of this process's warm server (tests/warm.py), started again if it died."""
-    if not _SERVER or _SERVER[0].process.poll() is not None:
-        _SERVER[:] = [warm.Server(env())]
-    with tempfile.TemporaryDirectory(prefix="warm-") as folder:
-        return _SERVER[0].run(argv, cwd=cwd, env=full, timeout=timeout, folder=Path(folder))
+    """`argv` as a fork of a warm server of this process."""
+    _POOL[:] = _POOL or [warm.Pool(env())]
+    return _POOL[0].run(argv, cwd=cwd, env=full, timeout=timeout)
 
 
 def train(

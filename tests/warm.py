@@ -93,7 +93,8 @@ def plain(line: str) -> list[str]:
 
 
 class Pool:
-    """Servers for commands run from several threads at once: one per thread in use, each started on first need."""
+    """Servers for commands run from several threads at once: one per thread in use, each started on first need
+    (and again if it died)."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env, self.idle, self.started = dict(env), queue.Queue(), []
@@ -103,6 +104,8 @@ class Pool:
         try:
             server = self.idle.get_nowait()
         except queue.Empty:
+            server = None
+        if server is None or server.process.poll() is not None:  # none idle, or it died: a new one
             server = Server(self.env)
             self.started.append(server)
         try:
@@ -113,8 +116,9 @@ class Pool:
 
     def close(self) -> None:
         for server in self.started:
-            server.process.stdin.close()
-            server.process.wait(timeout=30)
+            if server.process.poll() is None:
+                server.process.stdin.close()
+                server.process.wait(timeout=30)
 
 
 def child(request: dict) -> None:

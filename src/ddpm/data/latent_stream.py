@@ -55,16 +55,16 @@ class LatentStream(IterableDataset[Batch]):
         if self.batches_per_epoch is None:  # validation: one ordered pass over this slot's part
             yield from batches(self._pass(share.shards, share.offset, share.stride), self.batch_size, count=None)
             return
-        items = self._passes(self.paths, 0, 1, share.rng)  # training: every shard, in this slot's own order
+        items = self._passes(self.paths, share.rng)  # training: every shard, in this slot's own order
         yield from batches(items, self.batch_size, count=share.batch_count(self.batches_per_epoch))
 
-    def _passes(self, paths: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[Batch]:
+    def _passes(self, paths: list[str], rng: random.Random) -> Iterator[Batch]:
         """Endless passes over the images of `paths`, each in a fresh shard order through its own shuffle buffer
         (emptied at the pass's end, so a pass holds each image once)."""
         while True:
             order = rng.sample(paths, len(paths))
             produced = 0
-            items = self._pass(order, offset, stride)
+            items = self._pass(order, offset=0, stride=1)
             for item in shuffle_buffer(items, self.shuffle_buffer, rng) if self.shuffle_buffer > 1 else items:
                 produced += 1
                 yield item
