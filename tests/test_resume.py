@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from torch.utils.data import DistributedSampler
 
 RNG_HEAVY = [
     "data.limit=80",  # 72 training images (0.1 held out): 4 batches of 16 per epoch
@@ -142,9 +143,16 @@ class Indices(torch.utils.data.Dataset):
 
 
 class Recording(pl.LightningModule):
-    def __init__(self) -> None:
+    """Records (epoch, batch) as rank 0 of `world` processes (the sampler's share; one process trains it)."""
+
+    def __init__(self, batch_size: int = 2, world: int = 1) -> None:
         super().__init__()
-        self.net, self.seen = torch.nn.Linear(1, 1), []
+        self.net, self.seen, self.batch_size, self.world = torch.nn.Linear(1, 1), [], batch_size, world
+
+    def on_train_start(self) -> None:
+        from ddpm.module import DiffusionModule
+
+        DiffusionModule._follow_data_position(self)  # the product's: Lightning's count follows the loader's
 
     def training_step(self, batch, batch_idx):
         self.seen.append((self.current_epoch, batch.view(-1).long().tolist()))
@@ -157,7 +165,8 @@ class Recording(pl.LightningModule):
         from ddpm.data.sampler import ResumableLoader, ResumableSampler
 
         data = Indices()
-        return ResumableLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=2, drop_last=True)
+        sampler = ResumableSampler(data, num_replicas=self.world, rank=0, seed=0)
+        return ResumableLoader(data, sampler=sampler, batch_size=self.batch_size, drop_last=True)
 
 
 @pytest.mark.parametrize("limit", [2, 6])  # of 8 batches per epoch
@@ -176,3 +185,43 @@ def test_a_resume_at_the_end_of_an_epoch_cut_by_limit_train_batches_equals_the_s
     straight = fit()
     assert [epoch for epoch, _ in straight] == [0] * limit + [1] * limit + [2] * limit
     assert fit(tmp_path / f"step={limit}.ckpt") == straight[limit:]
+
+
+def share(epoch: int, world: int) -> list[int]:
+    """Rank 0's positions of `epoch` among `world` processes: DistributedSampler's deal of randperm(16) (seed 0)."""
+    sampler = DistributedSampler(Indices(), num_replicas=world, rank=0, seed=0, drop_last=True)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def batches(positions: list[int], size: int) -> list[list[int]]:
+    return [positions[i : i + size] for i in range(0, len(positions) - size + 1, size)]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "step"),
+    [((2, 2), (1, 2), 4), ((1, 2), (2, 2), 3), ((1, 2), (1, 3), 7), ((2, 2), (2, 5), 2), ((2, 3), (1, 2), 2),
+     ((2, 5), (2, 2), 1), ((1, 4), (1, 2), 4)],
+    ids=["epoch-end-world-2-to-1", "mid-world-1-to-2", "mid-none-left", "mid-world-none-left",
+         "epoch-end-batches-left", "epoch-end-world-batches-left", "epoch-end-batch-4-to-2"],
+)  # fmt: skip
+def test_a_resume_at_another_world_or_batch_size_trains_the_epochs_rest_then_whole_epochs(
+    tmp_path, before, after, step
+) -> None:
+    """(world, batch) before and after, the checkpoint after `step` (this rank trains 16 // world positions of
+    each epoch). The resumed run trains what is left of epoch 0 at the new sizes (none of it again), then epochs 1
+    and 2 whole. Where no whole batch is left, epoch 0 ended (before: it was trained again from its start); at an
+    epoch's last step Lightning may end it whatever is left (before: epoch 1 then lost batches)."""
+    (world, batch), (new_world, new_batch) = before, after
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    options = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu",
+               "default_root_dir": tmp_path}  # fmt: skip
+    pl.Trainer(max_epochs=1, callbacks=[every], **options).fit(Recording(batch, world))
+    resumed = Recording(new_batch, new_world)
+    pl.Trainer(max_epochs=3, **options).fit(resumed, ckpt_path=tmp_path / f"step={step}.ckpt")
+    rest = batches(share(0, new_world)[-(-step * batch * world // new_world) :], new_batch)
+    epoch_end = step == len(share(0, world)) // batch
+    assert [b for e, b in resumed.seen if e == 0] in ([rest, []] if epoch_end else [rest])
+    assert [b for e, b in resumed.seen if e > 0] == batches(share(1, new_world), new_batch) + batches(
+        share(2, new_world), new_batch
+    )

@@ -214,12 +214,12 @@ class DiffusionModule(pl.LightningModule):
     def _follow_data_position(self) -> None:
         """Lightning's batch count within the epoch follows the training loader's position after a resume at
         another world size or batch size (data/sampler.py: the samples seen are skipped globally)."""
-        shift = getattr(self.trainer.train_dataloader, "resume_shift", 0)
-        if shift:
+        loader = self.trainer.train_dataloader
+        if (done := loader.position_for(self.current_epoch) if hasattr(loader, "position_for") else None) is not None:
             progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            shift = done - progress.ready  # all four counts move alike: their restored differences stay
             for name in ("ready", "started", "processed", "completed"):
                 setattr(progress, name, getattr(progress, name) + shift)
-            self.trainer.train_dataloader.resume_shift = 0
 
 
 def check_batch(batch: Batch, net: UNet, *, latent: bool = False) -> None:

@@ -13,7 +13,9 @@ permutation (seed + epoch; DistributedSampler deals position p of it to rank p %
 checkpoint records `samples_seen`, the S first positions of it trained on. The resumed run's W ranks each skip
 ceil(S / W) indices of their share, so no sample of the epoch comes twice, every rank keeps the same number of
 batches, and fewer than W samples go unseen this epoch; when no whole batch is left, the next epoch starts.
-`resume_shift` tells the LightningModule how far Lightning's own batch count within the epoch must move.
+`position_for` tells the LightningModule where Lightning's own batch count within the epoch must stand: Lightning
+decides from its own progress whether the checkpoint's epoch goes on (then at this loader's count) or a new one
+starts (then at 0, whole).
 """
 
 import os
@@ -77,7 +79,7 @@ class ResumableLoader(DataLoader):
             raise TypeError("ResumableLoader needs sampler=ResumableSampler(...) and a batch_size")
         self.batches_done = 0  # batches of the current epoch counted as done (Lightning's count)
         self.consumed = 0  # indices of this rank's share trained on (or skipped) this epoch
-        self.resume_shift = 0  # batches this epoch minus the checkpoint's count, after load_state_dict
+        self.resumed_epoch: int | None = None  # the checkpoint's epoch, until Lightning's count follows
 
     def __iter__(self) -> Iterator[Any]:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
@@ -100,15 +102,18 @@ class ResumableLoader(DataLoader):
         if seen is None:
             seen = state["batches_done"] * state.get("batch_size", self.batch_size) * state.get("num_replicas", world)
         skip = -(-seen // world)  # every rank the same count: no position below `seen` comes again
-        left = (len(sampler) - skip) // self.batch_size  # type: ignore[operator]
-        if left <= 0:  # no whole batch of the epoch left: the next epoch starts afresh
-            sampler.set_epoch(state["epoch"] + 1)
-            skip = 0
-        else:
-            sampler.set_epoch(state["epoch"])
-        sampler.skip, sampler.skip_epoch, self.consumed = skip, sampler.epoch, skip
-        self.batches_done = len(self) - left if left > 0 else len(self)
-        self.resume_shift = self.batches_done - state["batches_done"]  # Lightning restores the checkpoint's count
+        left = max(0, (len(sampler) - skip) // self.batch_size)  # type: ignore[operator]  # 0: the epoch's pass is empty
+        sampler.set_epoch(state["epoch"])
+        sampler.skip, sampler.skip_epoch, self.consumed = skip, state["epoch"], skip
+        self.batches_done, self.resumed_epoch = len(self) - left, state["epoch"]
+
+    def position_for(self, epoch: int) -> int | None:
+        """Once after a resume: the batches Lightning must count as done as it starts `epoch`: this loader's count
+        in the checkpoint's epoch; 0 in a later one (Lightning found the checkpoint's epoch finished, whatever is
+        left of it at the new sizes: the next epoch starts whole, pending() gives its pass no skip). None
+        without a resume."""
+        resumed, self.resumed_epoch = self.resumed_epoch, None
+        return None if resumed is None else self.batches_done if epoch == resumed else 0
 
 
 def generator(seed: int | None = None) -> torch.Generator:
