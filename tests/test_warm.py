@@ -24,6 +24,7 @@ def test_a_forked_run_writes_what_an_execd_run_writes(tmp_path: Path) -> None:
         assert eligible(argv, extra) == (how == "warm")
         shown = run(*argv, extra_env=extra)
         assert (shown.stdout + shown.stderr).count("`Trainer.fit` stopped") == 1, shown.stderr[-2000:]
+        assert "litlogger" not in shown.stdout + shown.stderr + (tmp_path / how / "train.log").read_text()  # the ad
         logs[how] = [line.split("] - ", 1)[1] for line in (tmp_path / how / "train.log").read_text().splitlines()
                      if "] - " in line and "[py.warnings]" not in line]  # fmt: skip  # without times; warnings: once
         weights[how] = torch.load(tmp_path / how / "ema.pt", map_location="cpu", weights_only=True)["ema_state_dict"]

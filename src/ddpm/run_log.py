@@ -11,10 +11,19 @@ from omegaconf import DictConfig
 
 from ddpm.logs import LIGHTNING, LOG
 
+ADVERT = "Tip: For seamless cloud logging"  # Lightning 2.6 recommends its cloud logger in every Trainer's output
+RANK_ZERO = "lightning.pytorch.utilities.rank_zero"  # the logger of Lightning's rank_zero_info
+
+
+def no_advert(record: logging.LogRecord) -> bool:
+    """A logging filter: everything but Lightning's advertisement (a line of every run, console and train.log)."""
+    return ADVERT not in record.getMessage()
+
 
 class RunLog(Callback):
     """A Hydra callback (conf/train.yaml, conf/sample.yaml): for the job's length, Lightning's records also reach
-    the root logger (its file), and each warning shown on the console is logged as well (logger `py.warnings`)."""
+    the root logger (its file), and each warning shown on the console is logged as well (logger `py.warnings`);
+    Lightning's advertisement for its cloud logger is left out of both."""
 
     def __init__(self) -> None:
         self.shown: Any = None  # warnings.showwarning before this job
@@ -25,6 +34,7 @@ class RunLog(Callback):
         for name in LIGHTNING:
             for handler in self.handlers:
                 logging.getLogger(name).addHandler(handler)
+        logging.getLogger(RANK_ZERO).addFilter(no_advert)
         self.shown = warnings.showwarning
         warnings.showwarning = self._show
 
@@ -36,6 +46,7 @@ class RunLog(Callback):
             for handler in self.handlers:
                 logging.getLogger(name).removeHandler(handler)
         self.handlers = []
+        logging.getLogger(RANK_ZERO).removeFilter(no_advert)
         if self.shown is not None:
             warnings.showwarning, self.shown = self.shown, None
 
