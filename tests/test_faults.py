@@ -370,6 +370,23 @@ def test_resume_refuses_breaking_config_changes_listing_them(tmp_path: Path) -> 
     assert not (tmp_path / "new" / "resume_diff.yaml").exists()
 
 
+def test_resume_on_latents_of_another_vae_is_refused_and_a_moved_vae_folder_is_not(tmp_path: Path) -> None:
+    """The run config's `latent` record (train() reads it from data.root's meta.json): another VAE's latents, or
+    another scaling, would train the weights on a different target; the same VAE in another folder is safe."""
+    latent = {"vae": "/a/vae", "vae_identity": "2335f978c15f702e", "scaling_factor": 0.9, "shift_factor": 0.1,
+              "latent_shape": [4, 8, 8], "image_shape": [1, 32, 32]}  # fmt: skip
+    config = {**OmegaConf.to_container(composed(tmp_path), resolve=True), "latent": latent}
+    path = fake_training_checkpoint(tmp_path / "last.ckpt", config)
+    other = {**latent, "vae_identity": "f9dcc2f1d3d8685c", "scaling_factor": 1.1, "latent_shape": [4, 16, 16]}
+    with pytest.raises(CheckpointError, match="cannot resume") as info:
+        check_resume(path, {**config, "latent": other}, tmp_path / "new")
+    for line in ("latent.vae_identity: checkpoint '2335f978c15f702e', now 'f9dcc2f1d3d8685c'",
+                 "latent.scaling_factor: checkpoint 0.9, now 1.1", "latent.latent_shape"):  # fmt: skip
+        assert line in str(info.value)
+    moved = check_resume(path, {**config, "latent": {**latent, "vae": "/b/vae"}}, tmp_path / "moved")
+    assert moved["latent.vae"] == ("/a/vae", "/b/vae")
+
+
 def test_resume_with_breaking_changes_is_refused_before_data_or_model(tmp_path: Path, constructed: list[str]) -> None:
     """Through train(): the refusal comes before any datamodule or model is built, listing every difference."""
     path = fake_training_checkpoint(tmp_path / "last.ckpt", OmegaConf.to_container(composed(tmp_path), resolve=True))

@@ -22,7 +22,8 @@ from ddpm.weights.torch_file import load_checkpoint
 
 # Changes that make the checkpoint's weights or training target meaningless: refused on resume.
 BREAKING = ("model.", "diffusion._target_", "diffusion.num_timesteps", "diffusion.schedule", "diffusion.prediction",
-            "diffusion.sigma_", "diffusion.rho", "data.image_size", "data.channels")  # fmt: skip
+            "diffusion.sigma_", "diffusion.rho", "data.image_size", "data.channels", "latent.vae_identity",
+            "latent.scaling_factor", "latent.shift_factor", "latent.latent_shape")  # fmt: skip  # latent: the VAE's
 SAFE_MODEL_KEYS = ("model.dropout",)  # model keys that change no shape
 RUN_GLOB = "outputs/*/*/checkpoints/last.ckpt"  # where `ckpt_path=last` looks when resume_dir is null
 RESUME_FILE = "resume_diff.yaml"
