@@ -102,6 +102,29 @@ def test_a_rerun_skips_whole_shards_and_rewrites_a_torn_one(
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("latents-*.tar") if p != torn} == stamps  # untouched
 
 
+def test_a_rerun_with_serving_keys_changed_and_the_vae_moved_encodes_nothing_again(
+    vae: Path, encoded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.num_workers and data.val_size decide how batches are served, not which images are encoded, and a VAE
+    copied to another folder is the same VAE (before: every shard was encoded again). A meta.json write killed
+    midway leaves its temporary file, which the rerun removes (before: refused as a foreign file). The folder is
+    then read through a data.root with `~` (before: meta.json was found, the shards were not)."""
+    out = shutil.copytree(encoded, tmp_path / "out")
+    moved = shutil.copytree(vae, tmp_path / "moved_vae")
+    (out / ".meta.json.tmp-999999").write_text("{")  # no process 999999: a killed write's
+    shards = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("latents-*.tar")}
+    encode(encode_args(moved, out, "data.num_workers=2", "data.val_size=0.2"))
+    assert "encoded 0 images" in capsys.readouterr().out
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("latents-*.tar")} == shards
+    assert not list(out.glob(".*.tmp-*"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for stream in (False, True):
+        dm = LatentDataModule(root="~/out", val_size=8, batch_size=8, stream=stream)
+        dm.setup("fit")
+        assert next(iter(dm.train_dataloader()))[0].shape == (8, 4, 8, 8)  # moments: mean and logvar
+    assert dm.meta["vae"] == str(moved.resolve()) and dm.meta["data"]["num_workers"] == 2
+
+
 def test_an_out_of_another_vae_or_data_set_is_refused(vae: Path, encoded: Path, tmp_path: Path) -> None:
     other = save_vae(tmp_path / "other_vae", seed=1)
     out = shutil.copytree(encoded, tmp_path / "out")

@@ -13,13 +13,10 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from ddpm.atomic import process_alive
-from ddpm.data.latent_shards import META, PER_FOLDER, PER_SHARD, LatentShardError, read_header
+from ddpm.data.latent_shards import META, PER_FOLDER, PER_SHARD, LatentShardError, content, read_header
 from ddpm.models.vae import VAE
 
 LATENTS = "ddpm.data.latents.LatentDataModule"
-# Data keys that change how batches are served, not which images are encoded (ignored when comparing encodings).
-SERVING = ("batch_size", "num_workers", "pin_memory", "max_ram_fraction", "val_size", "split_seed", "hflip",
-           "epoch_length", "shuffle_buffer", "seed", "timeout_s", "val_shards", "on_error")  # fmt: skip
 SETTINGS = ("vae", "out", "samples_per_shard", "batch_size", "devices", "device")  # conf/encode.yaml's own keys
 Chunk = tuple[int, int, int, Callable[[], tuple[Tensor, Tensor]]]  # shard index, first image, images, load()
 
@@ -58,7 +55,8 @@ def settings_of(cfg: DictConfig) -> dict[str, Any]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and cfg.devices > torch.cuda.device_count():
         raise ValueError(f"devices={cfg.devices} but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return {"vae": str(cfg.vae), "out": Path(str(cfg.out)), "samples_per_shard": cfg.samples_per_shard,
+    return {"vae": str(Path(str(cfg.vae)).expanduser()), "out": Path(str(cfg.out)).expanduser(),
+            "samples_per_shard": cfg.samples_per_shard,
             "batch_size": cfg.batch_size, "devices": cfg.devices, "device": device}  # fmt: skip
 
 
@@ -159,7 +157,7 @@ def prepare_out(out: Path, header: dict[str, Any]) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out} is a file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
-    leftover = re.compile(r"\.latents-\d{6}\.tar\.tmp-(\d+)")
+    leftover = re.compile(r"\.(?:latents-\d{6}\.tar|meta\.json)\.tmp-(\d+)")  # ddpm.atomic's temporary files
     shards, others = [], []
     for entry in sorted(out.iterdir()):
         if re.fullmatch(r"latents-\d{6}\.tar", entry.name):
@@ -205,8 +203,3 @@ def check_same(found: dict[str, Any], expected: dict[str, Any], where: Path, own
     if keys:
         values = ", ".join(f"{k}: {found.get(k)!r} there, {expected.get(k)!r} here" for k in keys)
         raise ValueError(f"{where} holds another encoding ({values}); {fix}")
-
-
-def content(data: dict[str, Any]) -> dict[str, Any]:
-    """The keys of a data config node that decide which images are encoded."""
-    return {k: v for k, v in data.items() if k not in SERVING}

@@ -33,6 +33,9 @@ STORED = "posterior mean and logvar, float16"
 META, HEADER = "meta.json", "__meta__.json"
 PER_SHARD = ("first", "samples")  # a shard header's own keys
 PER_FOLDER = ("count", "shards")  # meta.json's keys known only when every shard is written
+# Data keys that change how batches are served, not which images are encoded (ignored when comparing encodings).
+SERVING = ("batch_size", "num_workers", "pin_memory", "max_ram_fraction", "val_size", "split_seed", "hflip",
+           "epoch_length", "shuffle_buffer", "seed", "timeout_s", "val_shards", "on_error")  # fmt: skip
 
 
 class LatentShardError(ValueError):
@@ -109,11 +112,21 @@ def _array(data: bytes, path: str | Path, key: str, shape: list[int]) -> Tensor:
     return torch.from_numpy(array)
 
 
+def content(data: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a data config node that decide which images are encoded."""
+    return {k: v for k, v in data.items() if k not in SERVING}
+
+
+def differing(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The keys in which two headers describe different latents: `data` by its content() (a serving key such as
+    data.num_workers encodes the same images), `vae` (the folder) not at all (`vae_identity` is the VAE)."""
+    keys = sorted(k for k in set(found) | set(expected) if k not in ("vae", "data") and found.get(k) != expected.get(k))
+    return keys + (["data"] if content(found.get("data") or {}) != content(expected.get("data") or {}) else [])
+
+
 def read_shard(path: Path, header: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """A whole shard checked against `header` (its expected `__meta__.json`): (moments (n, 2c, h, w), labels (n,))."""
-    found = read_header(path)
-    if found != header:
-        different = sorted(k for k in set(found) | set(header) if found.get(k) != header.get(k))
+    if different := differing(read_header(path), header):
         raise LatentShardError(f"{path} holds another encoding than expected: {different} differ")
     rows, labels = [], []
     for index, moments, label in iter_samples(path, header["latent_shape"]):

@@ -85,7 +85,8 @@ class LatentDataModule(pl.LightningDataModule):
         require_positive_int("data.epoch_length", epoch_length, allow_none=True)
         require_positive_int("data.shuffle_buffer", shuffle_buffer, minimum=0)
         require("data.max_ram_fraction", max_ram_fraction, lambda v: 0 < v <= 1, "in (0, 1]")
-        self.root, self.stream, self.batch_size, self.num_workers = str(root), stream, batch_size, num_workers
+        self.root, self.stream, self.batch_size = str(Path(root).expanduser()), stream, batch_size
+        self.num_workers = num_workers
         self.val_size, self.split_seed, self.limit = val_size, split_seed, limit
         self.max_ram_fraction = max_ram_fraction
         self.epoch_length, self.shuffle_buffer, self.seed = epoch_length, shuffle_buffer, seed
