@@ -288,9 +288,18 @@ def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp
     assert refused.returncode != 0 and "output_dir=" in refused.stderr and "overwrite=true" in refused.stderr
     assert (out / "samples.npz").read_bytes() == first  # untouched, and the call's record (refused before Hydra):
     assert (out / ".hydra" / "overrides.yaml").read_text() == record and "num_samples=4" in record
+    (out / "notes.txt").write_text("mine")  # a file of the user's: overwrite=true moves the call's files only
     sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"hydra.run.dir={out}", "overwrite=true")
     (moved,) = out.glob("replaced-*")
     assert (moved / "samples.npz").read_bytes() == first and (out / "samples.npz").read_bytes() != first
+    assert sorted(p.name for p in moved.iterdir()) == [".hydra", "grid.png", "sample.log", "samples.npz"]
+    assert (out / "notes.txt").read_text() == "mine"
+    # into the training run's own folder: refused even with overwrite=true (before: Hydra's .hydra/ of the run was
+    # replaced, and overwrite=true moved its checkpoints, config and ema.pt aside)
+    kept = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refused = sample(f"ckpt={run}/ema.pt", "num_samples=4", f"output_dir={run}", "overwrite=true", check=False)
+    assert refused.returncode != 0 and f"output_dir={run} holds a training run" in refused.stderr, refused.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == kept
 
 
 def test_output_dir_names_hydras_run_folder_unless_one_is_named() -> None:

@@ -32,6 +32,9 @@ RUN_FILES = ("config.yaml", "resume_diff.yaml", "result.json", "ema.pt", "ema.sa
 SWEEP_FILES = ("summary.csv", "*/" + "result.json", *(f"*/{name}" for name in RUN_FILES))  # job folders inside
 CHECKPOINT_FILES = ("*.ckpt",)  # a checkpoint folder outside the run folder
 SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
+SAMPLE_COMPANIONS = (".hydra", "sample.log")  # Hydra's files of that call, moved aside with its samples
+TRAINING_RUN = ("config.yaml", "result.json", "ema.pt", "ema.safetensors", "checkpoints", "resume_diff.yaml",
+                "hpc_ckpt_*.ckpt")  # fmt: skip  # a training run's own files: sample.py never writes among them
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
 
 
@@ -59,6 +62,7 @@ def claim(
     patterns: tuple[str, ...] = RUN_FILES,
     key: str = "hydra.run.dir",  # the setting that named `folder`
     everything: bool = False,  # move every entry (Hydra has not written into the folder yet)
+    companions: tuple[str, ...] = (),  # entries moved along with the results, where present
 ) -> Path | None:
     """Refuse, or move aside, another run's results in `folder`; the replaced-* folder if files moved."""
     found = held(folder, patterns)
@@ -67,7 +71,19 @@ def claim(
     if not overwrite:
         raise RunFolderTaken(taken_message(folder, found, key))
     names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)] if everything else found
+    names += [name for name in companions if (folder / name).exists()]
     return move_aside(folder, sorted({name.split("/")[0] for name in names}))
+
+
+def refuse_training_run(folder: Path, key: str = "output_dir") -> None:
+    """sample.py's folder must not be a training run's: its grid.png, .hydra/ and (with overwrite=true) the moving
+    aside of earlier samples would land among the run's checkpoints and config."""
+    if found := held(folder, TRAINING_RUN):
+        raise RunFolderTaken(
+            f"{key}={folder} holds a training run ({', '.join(found[:6])}); sample.py writes grid.png, samples.npz "
+            f"and Hydra's .hydra/ into {key}, which would replace the run's own. Sample into a folder of its own: "
+            f"{key}={folder / 'samples' / 'sample_py'} (or leave it unset for outputs/samples/<date>/<time>)"
+        )
 
 
 def taken_message(folder: Path, found: list[str], key: str) -> str:
@@ -128,17 +144,27 @@ class RunFolderGuard(Callback):
 
     def __init__(self, *, entry: Literal["train", "sample"] = "train") -> None:
         self.files, self.key = (RUN_FILES, "hydra.run.dir") if entry == "train" else (SAMPLE_FILES, "output_dir")
+        self.entry = entry
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if first_process():
-            self._claim(Path(config.hydra.run.dir), config, self.files, self.key)
+        if not first_process():
+            return
+        folder = Path(config.hydra.run.dir)
+        if self.entry == "sample":  # the earlier call's samples and Hydra's files move, nothing else
+            try:
+                refuse_training_run(folder)  # output_dir: the run folder (conf/sample.yaml, follow_output_dir)
+            except RunFolderTaken as refused:
+                raise SystemExit(f"Error: {refused}") from None
+            self._claim(folder, config, self.files, self.key, companions=SAMPLE_COMPANIONS)
+        else:
+            self._claim(folder, config, self.files, self.key, everything=True)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if first_process() and not continues_study(config):
-            self._claim(Path(config.hydra.sweep.dir), config, SWEEP_FILES, "hydra.sweep.dir")
+            self._claim(Path(config.hydra.sweep.dir), config, SWEEP_FILES, "hydra.sweep.dir", everything=True)
 
     @staticmethod
-    def _claim(folder: Path, config: DictConfig, patterns: tuple[str, ...], key: str) -> None:
+    def _claim(folder: Path, config: DictConfig, patterns: tuple[str, ...], key: str, **moved: Any) -> None:
         from ddpm.resume import resolve_ckpt_path
 
         try:
@@ -147,8 +173,7 @@ class RunFolderGuard(Callback):
             ckpt = None
         ckpt = ckpt or (folder if held(folder, ("hpc_ckpt_*.ckpt",)) else None)  # SLURM's requeue resumes in place
         try:
-            claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key,
-                  everything=True)  # fmt: skip
+            claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key, **moved)
         except RunFolderTaken as refused:
             raise SystemExit(f"Error: {refused}") from None  # Hydra would turn any Exception into a warning
 
