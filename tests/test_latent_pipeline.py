@@ -56,6 +56,19 @@ def test_a_run_on_latents_records_its_vae_and_its_grids_are_decoded(run_dir: Pat
     assert grid.shape[:2] == (16 + 2 * 2, 4 * (16 + 2) + 2)  # 4 decoded 16x16 images in a row, 2-pixel borders
 
 
+def test_the_metrics_reference_of_a_latent_run_is_the_pixel_source_its_latents_were_encoded_from(run_dir: Path) -> None:
+    """sample.py metrics=[...] compare with the run's training images: a latent run's are the encoded pixels, whose
+    source the run config's latent record keeps (before: the record had none, and every latent run's metrics failed
+    after the images were drawn). A run config without one is refused (sample.py: before any image is drawn)."""
+    from ddpm.sampling.run import training_source
+
+    config = torch.load(run_dir / "ema.pt", weights_only=True)["config"]
+    assert training_source(config)["_target_"] == "ddpm.data.sources.DigitsSource"
+    del config["latent"]["data"]  # a latent run of an older version
+    with pytest.raises(ValueError, match=r"no `source` reader .*a latent run"):
+        training_source(config)
+
+
 def test_sample_py_decodes_through_the_recorded_vae_and_refuses_another(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "samples"
     result = sample(f"ckpt={run_dir / 'ema.pt'}", "num_samples=4", "sampler.steps=3", f"output_dir={out}")

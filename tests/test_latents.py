@@ -80,8 +80,14 @@ def test_encode_stores_the_vae_posterior_and_says_what_it_holds(vae: Path, encod
     assert torch.equal(dm.labels, labels)
     assert latent_record(dm.meta["data"]) is None and latent_record({"_target_": "x.Y"}) is None
     record = latent_record({"_target_": "ddpm.data.latents.LatentDataModule", "root": str(encoded)})
-    assert record == dm.latent == {k: meta[k] for k in ("vae", "vae_identity", "scaling_factor", "shift_factor",
-                                                        "latent_shape", "image_shape")}  # fmt: skip
+    kept = ("vae", "vae_identity", "scaling_factor", "shift_factor", "latent_shape", "image_shape")
+    assert record == dm.latent == {k: meta[k] for k in kept} | {"data": record["data"]}
+    assert record["data"] == {
+        k: v
+        for k, v in meta["data"].items()
+        if k not in ("batch_size", "num_workers", "pin_memory", "val_size", "split_seed", "hflip", "max_ram_fraction")
+    }  # the images' keys
+    assert record["data"]["source"] == meta["data"]["source"]  # sample.py's metrics read their reference there
     assert (dm.image_size, dm.channels, type(dm.source)) == (16, 1, DigitsSource)  # pixels, for FID
 
 
@@ -138,6 +144,44 @@ def test_an_out_of_another_vae_or_data_set_is_refused(vae: Path, encoded: Path, 
         encode([*encode_args(vae, out), "data.limit=100"])
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "meta.json"} == {
         k: v for k, v in before.items() if k != "meta.json"}  # fmt: skip
+
+
+def test_a_vae_folder_is_refused_unless_its_weights_fit_and_its_identity_is_of_the_weights_diffusers_loads(
+    vae: Path, tmp_path: Path
+) -> None:
+    """Before: a folder whose weight names did not fit (a prefix), or a UNet's folder, loaded with random weights in
+    their place; the identity hashed every *.safetensors and *.bin, so a folder holding both (as a hub snapshot does)
+    exported only one and then refused its own export; a .bin-only VAE could not be exported."""
+    from diffusers import AutoencoderKL, UNet2DModel
+    from safetensors.torch import load_file, save_file
+
+    from ddpm.weights.diffusers_folder import add_vae
+
+    prefixed = shutil.copytree(vae, tmp_path / "prefixed")
+    weights = prefixed / "diffusion_pytorch_model.safetensors"
+    save_file({f"first_stage_model.{k}": v for k, v in load_file(weights).items()}, weights)
+    with pytest.raises(ValueError, match=r"weights do not fit its config.json .*missing keys: .*unexpected keys"):
+        VAE.load(prefixed)
+    UNet2DModel(sample_size=8, block_out_channels=(8, 8), down_block_types=("DownBlock2D",) * 2,
+                up_block_types=("UpBlock2D",) * 2, norm_num_groups=4).save_pretrained(tmp_path / "unet")  # fmt: skip
+    with pytest.raises(ValueError, match="holds a diffusers UNet2DModel, not an AutoencoderKL"):
+        VAE.load(tmp_path / "unet")
+    (prefixed / weights.name).unlink()
+    with pytest.raises(FileNotFoundError, match="holds no AutoencoderKL weights"):
+        VAE.load(prefixed)
+
+    pickled = tmp_path / "pickled"
+    AutoencoderKL.from_pretrained(vae).save_pretrained(pickled, safe_serialization=False)  # .bin only
+    both = shutil.copytree(vae, tmp_path / "both")
+    shutil.copy(pickled / "diffusion_pytorch_model.bin", both)
+    assert folder_identity(both) == folder_identity(vae) != folder_identity(pickled)  # the weights diffusers loads
+    for source in (both, pickled):
+        export = tmp_path / f"export_{source.name}"
+        (export / "scheduler").mkdir(parents=True)
+        (export / "model_index.json").write_text("{}")
+        (export / "scheduler" / "scheduler_config.json").write_text("{}")
+        add_vae(export, {"vae": str(source), "vae_identity": folder_identity(source)})
+        assert VAE.load(export / "vae").identity == folder_identity(source)  # sample.py accepts its own export
 
 
 def test_encode_settings_are_refused_naming_the_key(vae: Path, tmp_path: Path) -> None:

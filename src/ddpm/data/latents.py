@@ -20,14 +20,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from ddpm.data.latent_shards import read_meta, read_shard
+from ddpm.data.latent_shards import content, read_meta, read_shard
 from ddpm.data.latent_stream import Batch, LatentStream
 from ddpm.data.ram import ImageTensorDataset, available_ram_bytes, keep_batch
 from ddpm.data.sampler import ResumableLoader, ResumableSampler, RunShape, check_training_batches, generator
 from ddpm.data.sources import require, require_positive_int
 
 TARGET = "ddpm.data.latents.LatentDataModule"
-RECORD = ("vae", "vae_identity", "scaling_factor", "shift_factor", "latent_shape", "image_shape")
+RECORD = ("vae", "vae_identity", "scaling_factor", "shift_factor", "latent_shape", "image_shape", "data")
 
 
 def latent_record(data_config: dict[str, Any]) -> dict[str, Any] | None:
@@ -35,8 +35,13 @@ def latent_record(data_config: dict[str, Any]) -> dict[str, Any] | None:
     None when the node is not a LatentDataModule."""
     if data_config.get("_target_") != TARGET:
         return None
-    meta = read_meta(data_config.get("root"))
-    return {key: meta[key] for key in RECORD}
+    return record_of(read_meta(data_config.get("root")))
+
+
+def record_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """meta.json's RECORD keys; `data`: the encode-time pixel data config (its source: the metrics' reference),
+    without the keys that only served batches."""
+    return {key: content(meta[key]) if key == "data" else meta[key] for key in RECORD}
 
 
 def to_diffusion(moments: Tensor, scale: float, shift: float, *, sample: bool) -> Tensor:
@@ -92,7 +97,7 @@ class LatentDataModule(pl.LightningDataModule):
         self.epoch_length, self.shuffle_buffer, self.seed = epoch_length, shuffle_buffer, seed
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.meta = read_meta(self.root)
-        self.latent = {key: self.meta[key] for key in RECORD}  # the run config's `latent` record
+        self.latent = record_of(self.meta)  # the run config's `latent` record
         self.latent_shape: list[int] = self.meta["latent_shape"]
         self.channels, self.image_size = self.meta["image_shape"][0], self.meta["image_shape"][1]  # pixels (FID)
         self.source = self._source()

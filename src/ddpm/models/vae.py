@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ddpm.models.diffusers_unet import DIFFUSERS_EXTRA
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"  # diffusers' file name for a model's weights
+WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")  # diffusers' names, its order
 
 
 def autoencoder_class() -> type:
@@ -48,15 +48,26 @@ class VAE(nn.Module):
     @classmethod
     def load(cls, folder: str | Path, device: torch.device | str = "cpu") -> "VAE":
         """The VAE saved in `folder` (diffusers' save_pretrained: config.json and the weights), in eval mode."""
-        folder = Path(folder)
+        folder, fix = (
+            Path(folder),
+            "pass the folder a VAE was saved in (a downloaded pretrained one, or <run>/vae of a VAE trained here)",
+        )
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{folder} is not a diffusers AutoencoderKL folder (no config.json): pass the folder a VAE was saved "
-                "in (a downloaded pretrained one, or <run>/vae of a VAE trained here)"
+            raise FileNotFoundError(f"{folder} is not a diffusers AutoencoderKL folder (no config.json): {fix}")
+        kind = json.loads((folder / "config.json").read_text()).get("_class_name", "AutoencoderKL")
+        if kind != "AutoencoderKL":
+            raise ValueError(f"{folder} holds a diffusers {kind}, not an AutoencoderKL: {fix}")
+        try:  # low_cpu_mem_usage off: no `accelerate`
+            autoencoder, info = autoencoder_class().from_pretrained(
+                str(folder), low_cpu_mem_usage=False, output_loading_info=True
             )
-        autoencoder = autoencoder_class().from_pretrained(str(folder), low_cpu_mem_usage=False)  # no `accelerate`
-        autoencoder = autoencoder.to(device).eval()
-        return cls(autoencoder, identity=folder_identity(folder), folder=str(folder))
+        except OSError as error:  # no weights file (diffusers names the one it looked for)
+            raise FileNotFoundError(f"{folder} holds no AutoencoderKL weights ({error}): {fix}") from error
+        wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if wrong:  # diffusers would leave those weights at their random initialisation
+            listed = "; ".join(f"{k.replace('_', ' ')}: {', '.join(map(str, v[:3]))}" for k, v in wrong.items())
+            raise ValueError(f"{folder}: its weights do not fit its config.json ({listed}): {fix}")
+        return cls(autoencoder.to(device).eval(), identity=folder_identity(folder), folder=str(folder))
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "VAE":
@@ -97,13 +108,23 @@ class VAE(nn.Module):
         return next(self.autoencoder.parameters()).dtype
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The weights diffusers' from_pretrained reads from `folder`: diffusion_pytorch_model.safetensors if there is
+    one, else its .bin; else (sharded weights) every *.safetensors, else every *.bin."""
+    for name in WEIGHTS:
+        if (folder / name).is_file():
+            return [folder / name]
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+
+
 def folder_identity(folder: Path) -> str:
-    """sha256 (hex, 16 digits) of a VAE folder's config.json (as data: key order and spacing ignored) and weights."""
+    """sha256 (hex, 16 digits) of a VAE folder's config.json (as data: key order and spacing ignored) and the
+    weights diffusers loads from it (weight_files: another file beside them changes nothing)."""
     digest = hashlib.sha256()
     config = json.loads((folder / "config.json").read_text())
     config.pop("_name_or_path", None)  # where it was loaded from, not what it is
     digest.update(json.dumps(config, sort_keys=True).encode())
-    for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+    for weights in weight_files(folder):
         with weights.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)

@@ -66,19 +66,25 @@ def requested_metrics(metrics: DictConfig | None) -> list[str]:
     return [name for name in METRICS if metrics is not None and metrics.get(name)]
 
 
+def training_source(run_config: dict) -> dict:
+    """The `source` node of the pixels the run learned (a latent run: those its latents were encoded from), the
+    metrics' reference; refused (before anything is drawn) where the run config has none."""
+    data = (run_config.get("latent") or {}).get("data") or run_config.get("data") or {}
+    if "source" not in data:
+        latent = " (a latent run: its latents are WebDataset shards' or its config predates latent.data)"
+        raise ValueError(
+            "metrics: the run's data config has no `source` reader (data=webdataset?"
+            f"{latent if run_config.get('latent') else ''}), so there is no training set to compute reference "
+            "statistics from; evaluate a run trained on digits, mnist, cifar10 or image_folder"
+        )
+    return data["source"]
+
+
 def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.device) -> dict[str, float]:
     """FID/KID/IS of the generated images against the run's training data (statistics cached)."""
     names, options = requested_metrics(cfg.metrics), cfg.metrics
     extractor = build_extractor(str(options.features), device)
-    if "source" not in (
-        (run_config.get("latent") or {}).get("data") or run_config.get("data", {})
-    ):  # e.g. a re-saved diffusers folder
-        raise ValueError(
-            "metrics: the run's data config has no `source` reader (data=webdataset?), so there is no training "
-            "set to compute reference statistics from; evaluate a run trained on digits, mnist, cifar10 or image_folder"
-        )
-    data = (run_config.get("latent") or {}).get("data") or run_config["data"]  # a latent run: its pixel data
-    node = dict(data["source"])
+    node = dict(training_source(run_config))
     if options.get("data_root"):
         node["root"] = str(options.data_root)
     image_size, channels = out.images.shape[-1], out.images.shape[1]
@@ -131,6 +137,8 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
     pixels = tuple(loaded.config["latent"]["image_shape"]) if vae else (net.in_channels, net.image_size, net.image_size)
     if world()[0] == 0:
         check_room(Path(keys.output_dir), keys.num_samples, pixels)
+        if requested_metrics(cfg.get("metrics")):
+            training_source(loaded.config)  # the metrics' reference: refused before the images, not after
     guidance = keys.guidance if labels is not None else 0.0
     denoiser = denoiser_for(net, diffusion, guidance=guidance, interval=interval, precision=precision,
                             compile=keys.compile, rows=min(batch_size, keys.num_samples))  # fmt: skip

@@ -50,6 +50,7 @@ EXPORT_FILES = (
     RUN_CONFIG,
     "vae/config.json",  # a latent model's VAE (diffusers' AutoencoderKL): its decoder turns samples into images
     f"vae/{WEIGHTS}",
+    "vae/diffusion_pytorch_model.bin",  # a VAE whose folder holds its weights as a pickle only
 )
 # UNet arguments that describe the network (checkpoint_activations is a training-time switch, left out).
 UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in ("self", "checkpoint_activations")]
@@ -106,7 +107,7 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
     fix = "Free disk space, or pass another out=<folder> (on a disk with room)"
     write = write_native if native else write_adapter
     vae = (loaded.config.get("latent") or {}).get("vae")
-    size += sum(f.stat().st_size for f in Path(vae).glob("*") if f.is_file()) if vae else 0
+    size += vae_bytes(Path(vae)) if vae else 0
 
     def write_all(folder: Path) -> Path:
         write(loaded, folder)
@@ -115,21 +116,32 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
     return atomic_folder(out, write_all, size=size, fix=fix, files=EXPORT_FILES)
 
 
+def vae_bytes(source: Path) -> int:
+    """The size of what add_vae copies (0 where the folder is gone: add_vae refuses it)."""
+    from ddpm.models.vae import weight_files
+
+    files = [source / "config.json", *weight_files(source)] if (source / "config.json").is_file() else []
+    return sum(f.stat().st_size for f in files)
+
+
 def add_vae(folder: Path, latent: dict[str, Any]) -> Path:
     """A latent model's VAE into the export, as `vae/` (its config and weights, byte for byte: the same identity),
     named in model_index.json (diffusers' AutoencoderKL), the scheduler's clip_sample off; refused if the folder no
     longer holds the VAE the latents were encoded with."""
-    from ddpm.models.vae import folder_identity
+    from ddpm.models.vae import folder_identity, weight_files
 
     source = Path(latent["vae"])
-    if not (source / "config.json").is_file() or folder_identity(source) != latent["vae_identity"]:
+    weights = weight_files(source) if (source / "config.json").is_file() else []
+    if len(weights) != 1 or folder_identity(source) != latent["vae_identity"]:
+        held = "no longer holds it" if len(weights) < 2 else "holds it in sharded files, which an export does not copy"
         raise CheckpointError(
-            f"the model was trained on latents of the VAE {latent['vae_identity']} in {source}, which no longer "
-            "holds it; restore that folder to export the model with its decoder"
+            f"the model was trained on latents of the VAE {latent['vae_identity']} in {source}, which {held}; "
+            "restore that folder (or save the VAE into one file: AutoencoderKL.save_pretrained) to export the model "
+            "with its decoder"
         )
     (folder / "vae").mkdir()
-    for name in ("config.json", WEIGHTS):
-        shutil.copyfile(source / name, folder / "vae" / name)
+    for path in (source / "config.json", *weights):  # the files the identity is of: the same identity in the export
+        shutil.copyfile(path, folder / "vae" / path.name)
     index = read_json(folder / "model_index.json", folder)
     (folder / "model_index.json").write_text(json.dumps(index | {"vae": ["diffusers", "AutoencoderKL"]}, indent=2))
     scheduler = folder / "scheduler" / "scheduler_config.json"  # [-1, 1] is the pixels' range: latents keep theirs
