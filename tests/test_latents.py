@@ -362,6 +362,12 @@ def test_streamed_pixel_shards_encode_as_their_source(vae: Path, encoded: Path, 
     for dm in (from_shards, from_source):
         dm.setup("fit")
     assert from_shards.meta["count"] == COUNT and from_shards.source is None  # no pixel source to rebuild
+    from ddpm.callbacks.fid import FID
+    from ddpm.diffusion.samplers.ddim import DDIMSampler
+
+    trainer = SimpleNamespace(datamodule=from_shards)  # callbacks.fid on such latents: refused, naming why
+    with pytest.raises(ValueError, match=r"this run.s data has no source .*leave callbacks.fid out"):
+        FID(sampler=DDIMSampler(steps=2)).on_fit_start(trainer, None)  # before: AttributeError on None
     torch.testing.assert_close(from_shards.train_set.images, from_source.train_set.images)
     assert torch.equal(from_shards.labels, from_source.labels)
 

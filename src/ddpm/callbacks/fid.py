@@ -57,10 +57,12 @@ class FID(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
-        if not all(hasattr(datamodule, a) for a in ("source", "image_size", "channels")):
+        sized = hasattr(datamodule, "image_size") and hasattr(datamodule, "channels")
+        if getattr(datamodule, "source", None) is None or not sized:
             raise ValueError(
-                "callbacks.fid needs a datamodule with `source`, `image_size` and `channels` (the RAM datamodule) "
-                "for the training set's statistics"
+                "callbacks.fid needs a datamodule with `source`, `image_size` and `channels` (the RAM datamodule, or "
+                "data=latents encoded from one) for the training set's statistics; this run's data has no source "
+                "(WebDataset shards, or latents encoded from them): leave callbacks.fid out"
             )
         self.extractor = build_extractor(self.features, pl_module.device)
         stats = {"source": datamodule.source, "image_size": datamodule.image_size, "channels": datamodule.channels}
