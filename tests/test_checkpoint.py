@@ -117,6 +117,24 @@ def test_pickled_code_is_refused_not_run(tmp_path: Path) -> None:
     assert not marker.exists(), "loading the checkpoint ran code from it"
 
 
+def test_a_file_that_is_no_checkpoint_is_named_so_and_an_export_folders_file_points_at_the_folder(
+    tmp_path: Path,
+) -> None:
+    """Before: every non-pickle file (a JSON, a PNG, a config.yaml) was reported as 'Python objects that safe
+    loading refuses ... could run code'."""
+    export = tmp_path / "export"
+    (export / "unet").mkdir(parents=True)
+    (export / "model_index.json").write_text('{"_class_name": "DDPMPipeline"}')
+    (export / "unet" / "config.json").write_text("{}")
+    (tmp_path / "grid.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    cases = [(export / "model_index.json", f"pass ckpt={export}"), (export / "unet" / "config.json", f"ckpt={export}"),
+             (tmp_path / "grid.png", "ema.pt")]  # fmt: skip
+    for path, advice in cases:
+        with raises_naming(path, "is not a PyTorch checkpoint at all") as error:
+            load_checkpoint(path)
+        assert advice in str(error.value) and "safe loading" not in str(error.value)
+
+
 # --- instantiate_local: only classes of this package ----------------------------------------------------
 
 

@@ -44,10 +44,13 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{path} holds Python objects that safe loading refuses ({str(error).splitlines()[0][:200]}); it was not "
-            "written by lightning-ddpm, and loading it unsafely could run code from the file"
-        ) from error
+        if "Unsupported global" in str(error):  # a pickle of classes: safe loading never builds them
+            found = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line), "")
+            raise CheckpointError(
+                f"{path} holds Python objects that safe loading refuses ({found[:200]}); it was not written by "
+                "lightning-ddpm, and loading it unsafely could run code from the file"
+            ) from error
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint at all; {not_a_checkpoint(path, key)}") from error
     except Exception as error:  # garbage bytes also raise IndexError, KeyError, struct.error, ...
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: {first_sentence(error)}); "
@@ -59,6 +62,14 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
             f"{ADVICE.get(key, ADVICE['ckpt'])}"
         )
     return checkpoint
+
+
+def not_a_checkpoint(path: Path, key: str) -> str:
+    """The advice for a file that is no checkpoint: a file of an export folder means the folder."""
+    folder = next((f for f in (path.parent, path.parent.parent) if (f / "model_index.json").is_file()), None)
+    if folder is not None and key == "ckpt":
+        return f"{path.name} is a file of the diffusers folder {folder}: pass ckpt={folder}"
+    return ADVICE.get(key, ADVICE["ckpt"])
 
 
 def load_torch_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedModel:
