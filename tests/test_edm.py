@@ -279,6 +279,29 @@ def test_export_adapter_gives_eps_and_diffusers_ddim_draws_our_images(tmp_path):
     assert to_uint8(torch.zeros(1)).item() == 128  # the scale both sides save in
 
 
+def test_an_edm_run_of_model_diffusers_unet2d_exports_as_the_adapter_of_the_same_network(tmp_path):
+    """model=diffusers_unet2d is our UNet under UNet2DModel's names: its EDM run exports as the adapter and gives
+    the same eps as the run (before: refused, "only ddpm.models.unet.UNet can be exported as the adapter")."""
+    pytest.importorskip("diffusers")
+    from ddpm.models.diffusers_unet import DiffusersUNet2D
+    from ddpm.weights.diffusers_folder import export_diffusers
+    from ddpm.weights.torch_file import export_ema
+    from ddpm.weights.unet2d_mapping import to_unet2d_state
+
+    ours = load_model(edm_run(tmp_path))
+    arguments = {k: v for k, v in ours.config["model"].items() if k not in ("_target_", "downsample")}
+    wrapper = DiffusersUNet2D(**arguments)
+    wrapper.unet.load_state_dict(to_unet2d_state(ours.net.state_dict(), ours.config["model"]))
+    model = arguments | {"_target_": "ddpm.models.diffusers_unet.DiffusersUNet2D"}
+    ema = export_ema(tmp_path / "wrapped" / "ema.pt", wrapper.state_dict(), ours.config | {"model": model})
+    folder = export_diffusers(load_model(ema), tmp_path / "export")
+    reloaded = load_model(folder)
+    x_t, sigma, y = torch.randn(4, 1, 8, 8), torch.tensor([0.01, 0.5, 3.0, 60.0]), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        expected = ours.diffusion.denoiser(ours.net)(x_t, sigma, y).eps
+        torch.testing.assert_close(reloaded.diffusion.denoiser(reloaded.net)(x_t, sigma, y).eps, expected)
+
+
 @pytest.mark.slow
 def test_train_sample_and_resume_with_diffusion_edm(tmp_path):
     """A real run: train.py diffusion=edm writes ema.pt whose config is EDM's; sample.py draws from it with EDM's

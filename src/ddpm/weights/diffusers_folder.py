@@ -34,7 +34,15 @@ from ddpm.weights.diffusers_files import (
     rebuild,
     scheduler_config,
 )
-from ddpm.weights.diffusers_native import NATIVE_UNET, UNET_TARGET, native_unet2d_config, write_native
+from ddpm.weights.diffusers_native import (
+    NATIVE_UNET,
+    UNET_TARGET,
+    WRAPPER_TARGET,
+    native_unet2d_config,
+    network_state,
+    unet2d_state,
+    write_native,
+)
 from ddpm.weights.model import CheckpointError, LoadedModel
 
 ADAPTER = ["ddpm.weights.diffusers_adapter", "DDPMUNet2DModel"]
@@ -57,10 +65,12 @@ UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in 
 
 
 def unet_arguments(model_config: dict[str, Any]) -> dict[str, Any]:
-    """The adapter's config from the run's model node; only our UNet can be exported as the adapter."""
-    if model_config.get("_target_") != UNET_TARGET:
+    """The adapter's config from the run's model node; only our UNet (or model=diffusers_unet2d, the same network
+    under UNet2DModel's names) can be exported as the adapter."""
+    if model_config.get("_target_") not in (UNET_TARGET, WRAPPER_TARGET):
         raise ValueError(
-            f"model._target_={model_config.get('_target_')!r}: only {UNET_TARGET} can be exported as the adapter"
+            f"model._target_={model_config.get('_target_')!r}: only {UNET_TARGET} and {WRAPPER_TARGET} can be "
+            "exported as the adapter"
         )
     unknown = sorted(set(model_config) - {*UNET_ARGS, "_target_", "checkpoint_activations"})
     if unknown:
@@ -155,11 +165,15 @@ def write_adapter(loaded: LoadedModel, out: Path) -> Path:
 
     from ddpm.weights.diffusers_adapter import DDPMUNet2DModel
 
-    unet = DDPMUNet2DModel(**unet_arguments(dict(loaded.config["model"])), **edm_arguments(loaded.diffusion))
-    unet.net.load_state_dict(loaded.net.state_dict())
+    model, state = dict(loaded.config["model"]), loaded.net.state_dict()
+    if model["_target_"] == WRAPPER_TARGET:  # the adapter holds our UNet: the same network under our names
+        state = network_state(unet2d_state(loaded.net, model), model | {"_target_": UNET_TARGET})
+        model["_target_"] = UNET_TARGET
+    unet = DDPMUNet2DModel(**unet_arguments(model), **edm_arguments(loaded.diffusion))
+    unet.net.load_state_dict(state)
     scheduler = DDPMScheduler(**scheduler_config(loaded.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
-    (out / RUN_CONFIG).write_text(json.dumps(loaded.config, indent=2) + "\n")
+    (out / RUN_CONFIG).write_text(json.dumps(loaded.config | {"model": model}, indent=2) + "\n")
     return out
 
 
