@@ -107,7 +107,8 @@ def readme_loop() -> str:
 
 def test_export_holds_unet_scheduler_and_vae_and_diffusers_alone_samples_it(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "export"
-    run("python", "-m", "ddpm.export", f"ckpt={run_dir / 'ema.pt'}", f"out={out}")
+    said = run("python", "-m", "ddpm.export", f"ckpt={run_dir / 'ema.pt'}", f"out={out}").stdout
+    assert "DDPMPipeline would return latents" in said and "README.md's 'Latent diffusion' loop" in said
     index = json.loads((out / "model_index.json").read_text())
     assert index["vae"] == ["diffusers", "AutoencoderKL"] and index["unet"] == ["diffusers", "UNet2DModel"]
     assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["clip_sample"] is False  # latents

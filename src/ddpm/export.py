@@ -113,7 +113,13 @@ def main(argv: list[str] | None = None) -> Path:
         out = export_diffusers(loaded, settings["out"])
     except (CheckpointError, OSError, ValueError) as error:  # OSError: a refused folder, a failed write (WriteError)
         parser.exit(1, f"python -m ddpm.export: {error}\n")
-    if reason is None:
+    if loaded.config.get("latent"):  # no diffusers pipeline class decodes a class-conditional UNet's latents
+        adapter = (
+            "" if reason is None else ", with lightning-ddpm's adapter UNet (import ddpm.weights.diffusers_adapter)"
+        )
+        print(f"diffusers folder: {out} (unet, scheduler and vae/{adapter}); DDPMPipeline would return latents, not "
+              "images: README.md's 'Latent diffusion' loop samples and decodes it")  # fmt: skip
+    elif reason is None:
         print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)")
     else:
         print(
