@@ -4,6 +4,7 @@ its scaling), checked against independent computations."""
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -118,6 +119,13 @@ def test_vae_folder_holds_the_ema_weights_and_diffusers_loads_it_alone(run: Path
     assert any(not torch.equal(saved[k], live[f"net.{k}"]) for k in saved)  # the average, not the last weights
     first = json.loads((run / "first_vae_config.json").read_text())
     assert first["scaling_factor"] != autoencoder.config.scaling_factor  # the resumed run wrote it again
+    from ddpm.weights import load_model
+    from ddpm.weights.model import CheckpointError
+
+    for path, said in ((run / "checkpoints" / "last.ckpt", "a VAE run's (module=vae)"),  # sample.py's loader
+                       (run / "vae", "holds one diffusers model")):  # fmt: skip  # before: "no run config"
+        with pytest.raises(CheckpointError, match=r".*".join(map(re.escape, (said, "python -m ddpm.data.encode")))):
+            load_model(path)
 
 
 @pytest.mark.slow

@@ -49,6 +49,12 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
     pipeline folder of a UNet2DModel our UNet expresses with a DDPMScheduler / DDIMScheduler of our schedules."""
     local = Path(path).expanduser()
     if local.is_dir():
+        if not (local / "model_index.json").is_file() and (local / "config.json").is_file():  # one component
+            raise CheckpointError(
+                f"{local} holds one diffusers model (config.json), not a pipeline: a VAE (<run dir>/vae) is used by "
+                "python -m ddpm.data.encode vae=...; sample.py takes a diffusion run's ema.pt or a pipeline folder "
+                "with model_index.json (python -m ddpm.export)"
+            )
         if not (local / "model_index.json").is_file():
             raise CheckpointError(
                 f"{local} is a folder, not a checkpoint; pass <run dir>/ema.pt, <run dir>/ema.safetensors, "

@@ -36,6 +36,13 @@ def run_config(checkpoint: Mapping[str, Any], *, needs: tuple[str, ...] = ("mode
     """The resolved config a checkpoint's run was trained with (`config`, or Lightning's hyper_parameters), holding
     the nodes `needs` (a resume needs the model only: a VAE run, module=vae, has no diffusion)."""
     config = checkpoint.get("config") or checkpoint.get("hyper_parameters", {}).get("config")
+    vae_run = str((config or {}).get("module", {}).get("_target_", "")).endswith(".VAEModule")  # module=vae
+    if vae_run and "diffusion" in needs:
+        raise CheckpointError(
+            "the checkpoint is a VAE run's (module=vae), not a diffusion model's: nothing to sample. Its VAE is "
+            "the run's vae/ folder: encode a data set with python -m ddpm.data.encode vae=<run dir>/vae ... and "
+            "train a latent model on it (docs/latent.md)"
+        )
     if not config or any(key not in config for key in needs):
         raise CheckpointError(f"the checkpoint carries no run config ({', '.join(needs)}); it cannot be rebuilt")
     return config
