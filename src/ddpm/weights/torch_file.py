@@ -50,7 +50,9 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
                 f"{path} holds Python objects that safe loading refuses ({found[:200]}); it was not written by "
                 "lightning-ddpm, and loading it unsafely could run code from the file"
             ) from error
-        raise CheckpointError(f"{path} is not a PyTorch checkpoint at all; {not_a_checkpoint(path, key)}") from error
+        advice = not_a_checkpoint(path, key)
+        what = "is not a PyTorch checkpoint at all (another kind of file, or damaged)"
+        raise CheckpointError(f"{path} {what}; {advice}") from error
     except Exception as error:  # garbage bytes also raise IndexError, KeyError, struct.error, ...
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: {first_sentence(error)}); "
@@ -65,10 +67,13 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
 
 
 def not_a_checkpoint(path: Path, key: str) -> str:
-    """The advice for a file that is no checkpoint: a file of an export folder means the folder."""
+    """The advice for a file that is no checkpoint: a file of an export folder means the folder; a damaged one
+    (a checkpoint's name) another checkpoint of the run."""
     folder = next((f for f in (path.parent, path.parent.parent) if (f / "model_index.json").is_file()), None)
     if folder is not None and key == "ckpt":
         return f"{path.name} is a file of the diffusers folder {folder}: pass ckpt={folder}"
+    if path.suffix in (".ckpt", ".pt", ".pth"):
+        return "use another checkpoint of the run, e.g. the previous step's"
     return ADVICE.get(key, ADVICE["ckpt"])
 
 
