@@ -380,3 +380,13 @@ def test_streamed_pixel_shards_encode_as_their_source(vae: Path, encoded: Path, 
         tar.addfile(info, io.BytesIO(b"1"))
     with pytest.raises(ValueError, match=rf"shard {paths[1]}, sample '99999999': image 99999999.png is not a readable"):
         encode([f"vae={vae}", f"out={tmp_path / 'bad'}", "data=webdataset", urls, "data.image_size=16"])
+
+
+def test_a_bf16_vae_encodes_and_decodes() -> None:
+    """A VAE trained with trainer.precision=bf16-true has bf16 weights (its run's exports encode the scaling
+    images with it): encode casts its input as decode does (before: float32 input against bf16 weights)."""
+    vae = VAE.from_config(TINY_VAE)
+    vae.autoencoder.to(torch.bfloat16)
+    mean, logvar = vae.encode(digits(4)[0])
+    assert mean.dtype == torch.float32 and mean.shape == (4, 2, 8, 8)
+    assert vae.decode(vae.to_diffusion(mean, logvar)).shape == (4, 1, 16, 16)

@@ -87,7 +87,7 @@ class VAE(nn.Module):
     def encode(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """uint8 images (B, C, H, W) -> the posterior's (mean, logvar), each (B, c, h, w) float32."""
         x = images.to(self._device()).float() / 127.5 - 1
-        posterior = self.autoencoder.encode(x).latent_dist
+        posterior = self.autoencoder.encode(x.to(self._dtype())).latent_dist  # a bf16 VAE (bf16-true) takes bf16
         return posterior.mean.float(), posterior.logvar.float()
 
     def to_diffusion(self, mean: Tensor, logvar: Tensor, noise: Tensor | None = None) -> Tensor:
