@@ -3,6 +3,7 @@ clear stop that names the key or file and the fix, or in a correct run. docs/rel
 
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -281,7 +282,9 @@ def test_write_error_is_an_oserror_for_callers_that_catch_those() -> None:
 def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "samples"
     train(*TINY_RUN, "trainer.max_steps=2", f"hydra.run.dir={run}")
-    sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"output_dir={out}")  # Hydra's folder too:
+    out.mkdir()
+    shutil.copy(run / "ema.pt", out / "ema.pt")  # a model kept beside its samples: not a training run
+    sample(f"ckpt={out}/ema.pt", "num_samples=4", "sampler.steps=2", f"output_dir={out}")  # Hydra's folder too:
     assert "- 4 images in " in (out / "sample.log").read_text() and (out / ".hydra" / "overrides.yaml").is_file()
     first, record = (out / "samples.npz").read_bytes(), (out / ".hydra" / "overrides.yaml").read_text()
     refused = sample(f"ckpt={run}/ema.pt", "num_samples=8", "sampler.steps=2", f"output_dir={out}", check=False)
@@ -293,7 +296,7 @@ def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp
     (moved,) = out.glob("replaced-*")
     assert (moved / "samples.npz").read_bytes() == first and (out / "samples.npz").read_bytes() != first
     assert sorted(p.name for p in moved.iterdir()) == [".hydra", "grid.png", "sample.log", "samples.npz"]
-    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "notes.txt").read_text() == "mine" and (out / "ema.pt").is_file()
     # into the training run's own folder: refused even with overwrite=true (before: Hydra's .hydra/ of the run was
     # replaced, and overwrite=true moved its checkpoints, config and ema.pt aside)
     kept = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}

@@ -33,8 +33,8 @@ SWEEP_FILES = ("summary.csv", "*/" + "result.json", *(f"*/{name}" for name in RU
 CHECKPOINT_FILES = ("*.ckpt",)  # a checkpoint folder outside the run folder
 SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py call writes into output_dir
 SAMPLE_COMPANIONS = (".hydra", "sample.log")  # Hydra's files of that call, moved aside with its samples
-TRAINING_RUN = ("config.yaml", "result.json", "ema.pt", "ema.safetensors", "checkpoints", "resume_diff.yaml",
-                "hpc_ckpt_*.ckpt")  # fmt: skip  # a training run's own files: sample.py never writes among them
+# What only a train.py run writes (an ema.pt or config.yaml alone may be a model a user keeps beside its samples)
+TRAINING_RUN = ("train.log", "checkpoints", "result.json", "resume_diff.yaml", "hpc_ckpt_*.ckpt")
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
 
 
