@@ -155,6 +155,22 @@ def test_fractional_numbers_for_int_keys_are_refused_naming_the_key(override: st
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [(None, 1.0), ("trainer.limit_val_batches=1.0", 1.0), ("trainer.val_check_interval=1.0", 1.0),
+     ("trainer.limit_val_batches=0.5", 0.5), ("trainer.limit_val_batches=2.0", 2), ("trainer.max_steps=1e2", 100)],
+)  # fmt: skip
+def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: str | None, expected) -> None:
+    """Lightning reads a float limit as a fraction and an int as a count: limit_val_batches=1.0 (the default) is
+    every validation batch, 1 a single one (before: every run validated on one batch). A whole float above 1 can
+    only be a count."""
+    cfg = composed(*([override] if override else []))
+    validate_config(cfg, entry="train")
+    key = override.split("=")[0] if override else "trainer.limit_val_batches"
+    value = OmegaConf.select(cfg, key)
+    assert value == expected and type(value) is type(expected)
+
+
 @pytest.mark.slow
 def test_sample_py_num_samples_2e1_draws_20_images(tmp_path: Path) -> None:
     run = tmp_path / "run"

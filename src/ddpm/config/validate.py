@@ -18,6 +18,7 @@ it says so: an error when DDPM_STRICT_CONFIG=1 (the tests), otherwise a warning 
 import difflib
 import os
 import re
+import typing
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
@@ -109,7 +110,7 @@ class _Report:
             self._record(error, values, prefix, hints, section_keys or {})
             return
         for key, value in values.items():
-            if _has_whole_float(value):
+            if _has_whole_float(value) and not _a_fraction(value, hints.get(key)):
                 converted = _ints_where(value, validated[key])
                 if converted != value or _types(converted) != _types(value):
                     self.ints[f"{prefix}{key}"] = converted
@@ -224,6 +225,16 @@ def _has_whole_float(value: Any) -> bool:
     if isinstance(value, float):
         return value.is_integer()
     return isinstance(value, list | tuple) and any(_has_whole_float(v) for v in value)
+
+
+def _a_fraction(value: Any, hint: Any) -> bool:
+    """Whether a whole-number float means a fraction: the setting takes floats as well as ints and the value is in
+    [-1, 1] (Lightning's limit_val_batches=1.0 is every batch, 1 a single one; 2.0 can only be the count 2)."""
+    return isinstance(value, float) and abs(value) <= 1 and _takes_float(hint)
+
+
+def _takes_float(hint: Any) -> bool:
+    return hint is float or any(_takes_float(arg) for arg in typing.get_args(hint))
 
 
 def _ints_where(original: Any, validated: Any) -> Any:
