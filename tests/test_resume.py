@@ -225,3 +225,14 @@ def test_a_resume_at_another_world_or_batch_size_trains_the_epochs_rest_then_who
     assert [b for e, b in resumed.seen if e > 0] == batches(share(1, new_world), new_batch) + batches(
         share(2, new_world), new_batch
     )
+
+
+@pytest.mark.slow
+def test_a_checkpoint_due_on_an_epochs_last_batch_is_written_at_its_step(tmp_path: Path) -> None:
+    """3 batches per epoch, a checkpoint every 3 steps, validation every 100: Lightning held a save that falls on
+    an epoch's last batch until the next validation (here never: only last.ckpt at the end), so a run killed in
+    between lost it. conf/callbacks/default.yaml saves it at its step."""
+    sizes = ["data.limit=64", "data.batch_size=16", "trainer.max_steps=7", "callbacks.checkpoint.every_n_train_steps=3"]
+    helpers.train(*sizes, "callbacks.sample_grid=null", "trainer.val_check_interval=100", f"hydra.run.dir={tmp_path}")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "last.ckpt", "step_0000003.ckpt", "step_0000006.ckpt"]  # fmt: skip
