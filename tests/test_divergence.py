@@ -202,6 +202,46 @@ def test_a_trainer_fit_computes_one_gradient_norm_per_step(monkeypatch: pytest.M
     assert trainer.global_step == 4 and len(calls) == 4
 
 
+class ConstantLoss:
+    """A LightningModule whose every micro-batch loss is 2.0 (with a gradient)."""
+
+    @staticmethod
+    def module():
+        import lightning.pytorch as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = torch.nn.Linear(1, 1)
+
+            def training_step(self, batch, batch_idx):
+                return 0.0 * self.net(batch).sum() + 2.0
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.0)
+
+            def train_dataloader(self):
+                return torch.utils.data.DataLoader(torch.ones(64, 1), batch_size=2)
+
+        return Module()
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_the_guards_level_is_the_loss_under_gradient_accumulation(accumulate: int) -> None:
+    """Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches; the guard's level (and so
+    its threshold) is the loss itself at any accumulation (before: 4x too low at 4, so a resume at accumulation 1
+    with the same global batch looked like a 4x jump)."""
+    import lightning.pytorch as pl
+
+    guard = NaNGuard()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, accumulate_grad_batches=accumulate, log_every_n_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[guard])  # fmt: skip
+    trainer.fit(ConstantLoss.module())
+    guard.check(trainer)
+    assert guard.slow_updates >= 5 and guard.level == pytest.approx(2.0)
+
+
 # --- the state in checkpoints ---------------------------------------------------------------------------------------
 
 

@@ -112,11 +112,14 @@ class NaNGuard(Callback):
     ) -> None:
         if max_consecutive < 1 or divergence_patience < 1:
             raise ValueError(
-                f"nan_guard.max_consecutive={max_consecutive} and nan_guard.divergence_patience={divergence_patience} "
+                f"callbacks.nan_guard.max_consecutive={max_consecutive} and "
+                f"callbacks.nan_guard.divergence_patience={divergence_patience} "
                 "must be >= 1"
             )
         if not divergence_factor > 1:
-            raise ValueError(f"nan_guard.divergence_factor={divergence_factor} must be > 1 (10 is the default)")
+            raise ValueError(
+                f"callbacks.nan_guard.divergence_factor={divergence_factor} must be > 1 (10 is the default)"
+            )
         self.max_consecutive, self.factor, self.patience = max_consecutive, divergence_factor, divergence_patience
         self.skipped = 0  # skipped steps in this run so far (as of the last check)
         self.consecutive = 0  # skipped steps since the last good one (as of the last check)
@@ -139,8 +142,8 @@ class NaNGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, Tensor):
-            self._losses.append(loss.detach().float().reshape(()))
+        if isinstance(loss, Tensor):  # Lightning hands on the loss divided by accumulate_grad_batches: undone here
+            self._losses.append(loss.detach().float().reshape(()) * trainer.accumulate_grad_batches)
         if logs_this_step(trainer):  # this step syncs anyway (Lightning writes its metrics)
             self.check(trainer)
             pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False)
