@@ -143,7 +143,7 @@ class NaNGuard(Callback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):  # Lightning hands on the loss divided by accumulate_grad_batches: undone here
-            self._losses.append(loss.detach().float().reshape(()) * trainer.accumulate_grad_batches)
+            self._losses.append(loss.detach().float().reshape(()) * getattr(trainer, "accumulate_grad_batches", 1))
         if logs_this_step(trainer):  # this step syncs anyway (Lightning writes its metrics)
             self.check(trainer)
             pl_module.log("train/skipped_steps", float(self.skipped), on_step=True, on_epoch=False)
