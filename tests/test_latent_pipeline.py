@@ -69,6 +69,19 @@ def test_the_metrics_reference_of_a_latent_run_is_the_pixel_source_its_latents_w
         training_source(config)
 
 
+def test_the_lr_range_test_runs_on_latents(tmp_path: Path) -> None:
+    """tune=lr_find on data=latents checks its batches as latents (before: as pixels, and latents beyond [-1, 1],
+    here with a scaling factor of 20, were refused: 'a batch after scaling spans [...], not [-1, 1]')."""
+    vae = save_vae(tmp_path / "vae", seed=0)
+    config = json.loads((vae / "config.json").read_text())
+    (vae / "config.json").write_text(json.dumps(config | {"scaling_factor": 20.0}))
+    run("python", "-m", "ddpm.data.encode", f"vae={vae}", f"out={tmp_path / 'latents'}", "data.image_size=16",
+        "data.limit=64")  # fmt: skip
+    train("data=latents", f"data.root={tmp_path / 'latents'}", *LATENT_MODEL, "data.batch_size=16", "tune=lr_find",
+          "tune.lr_find.num_steps=5", f"hydra.run.dir={tmp_path / 'lr'}")  # fmt: skip
+    assert (tmp_path / "lr" / "lr_find.json").is_file()
+
+
 def test_sample_py_decodes_through_the_recorded_vae_and_refuses_another(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "samples"
     result = sample(f"ckpt={run_dir / 'ema.pt'}", "num_samples=4", "sampler.steps=3", f"output_dir={out}")

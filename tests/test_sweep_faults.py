@@ -317,7 +317,7 @@ def test_lr_find_json_records_the_warning(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(tuning, "Tuner", lambda trainer: SimpleNamespace(lr_find=lambda *a, **k: finder))
     cfg = compose("train", [*TINY_RUN, "tune=lr_find", "tune.lr_find.num_steps=30", f"paths.output_dir={tmp_path}"])
     with pytest.warns(tuning.LRRangeWarning):
-        tuning.tune_lr(cfg, tmp_path)
+        tuning.tune_lr(cfg, tmp_path, {})
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert record["lr_at_min"] == lr_range(30)[-1] and "tune.lr_find.max_lr" in record["warning"]
 

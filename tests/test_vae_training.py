@@ -177,6 +177,19 @@ def test_refusals_name_the_fix() -> None:
         VAEModule(net=unet, optim=optim)
 
 
+@pytest.mark.slow
+def test_the_lr_range_test_runs_on_a_vae_and_the_memory_estimate_says_it_has_no_diffusion(tmp_path: Path) -> None:
+    """tune=lr_find and python -m ddpm.memory with experiment=mnist_vae (diffusion: null): before, both failed with
+    "Key 'diffusion' is not in struct"."""
+    from ddpm.memory import main as memory
+
+    train("experiment=mnist_vae", "data=digits", "data.image_size=16", "data.channels=1", "data.limit=64",
+          "data.batch_size=16", "tune=lr_find", "tune.lr_find.num_steps=5", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert json.loads((tmp_path / "lr_find.json").read_text())["suggested_lr"] > 0
+    with pytest.raises(SystemExit, match="diffusion=null"):
+        memory(["experiment=mnist_vae"])
+
+
 def test_a_diffusion_sample_grid_is_refused_before_the_first_step(tmp_path: Path) -> None:
     module = VAEModule(net=autoencoder_kl(**TINY), optim=AdamW(lr=1e-3, warmup_steps=0))
     data = RAMDataModule(source=DigitsSource(), image_size=8, channels=1, limit=64, batch_size=16)

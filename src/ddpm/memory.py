@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
+    if cfg.get("diffusion") is None:  # module=vae: no diffusion loss to measure
+        raise SystemExit("python -m ddpm.memory estimates a diffusion model's training step; this config has "
+                         "diffusion=null (a VAE run, module=vae)")  # fmt: skip
     net, diffusion = build(cfg.model), build(cfg.diffusion).to(args.device)
     batch_size = int(cfg.data.batch_size)
     precision = resolve_precision(cfg.trainer.precision, "cuda" if args.device.startswith("cuda") else "cpu")

@@ -159,7 +159,7 @@ def train(cfg: DictConfig) -> float | None:
     claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
     if keys.tune is not None:
-        if not run_tuning(cfg):
+        if not run_tuning(cfg, resolved):
             return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
         resolved = with_latent(resolve_config(cfg))  # again: tune.apply set optim.lr
     if keys.seed is not None:

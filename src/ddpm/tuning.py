@@ -21,6 +21,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.tuner import Tuner
@@ -140,12 +141,13 @@ def save_plot(result: LRFindResult, path: Path) -> Path:
     return path
 
 
-def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
+def tune_lr(cfg: DictConfig, output_dir: Path, run_config: dict[str, Any]) -> float:
     """Run cfg.tune.lr_find on the configured model and data; write the plot; return the suggested optim.lr."""
     test: LRRangeTest = build(cfg.tune.lr_find)
     datamodule = build(cfg.data)
-    net, diffusion, optim = build(cfg.model), build(cfg.diffusion), build(cfg.optim)
-    module = build(cfg.module, _partial_=True)(net=net, diffusion=diffusion, optim=optim, run_config={})
+    net, optim = build(cfg.model), build(cfg.optim)
+    parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
+    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=run_config)  # latents too
     trainer: pl.Trainer = build(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")),
@@ -175,13 +177,14 @@ def tune_lr(cfg: DictConfig, output_dir: Path) -> float:
     return suggested
 
 
-def run_tuning(cfg: DictConfig) -> bool:
-    """train()'s hook for `tune=...`: runs the LR range test; with tune.apply, sets optim.lr. True: go on training."""
+def run_tuning(cfg: DictConfig, run_config: dict[str, Any]) -> bool:
+    """train()'s hook for `tune=...`: runs the LR range test; with tune.apply, sets optim.lr. True: go on training.
+    `run_config`: the resolved config train() built (a latent run's `latent` record included)."""
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
-    lr = tune_lr(cfg, output_dir)
+    lr = tune_lr(cfg, output_dir, run_config)
     if cfg.tune.get("apply", False):
         cfg.optim.lr = float(f"{lr:.3g}")  # the saved config.yaml and checkpoints record the LR used
         say(f"tune.apply=true: training with optim.lr={cfg.optim.lr:.3g}")
