@@ -236,3 +236,13 @@ def test_a_checkpoint_due_on_an_epochs_last_batch_is_written_at_its_step(tmp_pat
     helpers.train(*sizes, "callbacks.sample_grid=null", "trainer.val_check_interval=100", f"hydra.run.dir={tmp_path}")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "last.ckpt", "step_0000003.ckpt", "step_0000006.ckpt"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_no_grid_is_drawn_before_the_first_step(tmp_path: Path) -> None:
+    """The first micro-batches end at global_step 0, a multiple of every_n_steps: a grid of the untrained EMA was
+    drawn (samples/step_0000000.png); the step a fit starts at (0, or a resume's) now draws none."""
+    helpers.train("data.limit=64", "data.batch_size=16", "trainer.accumulate_grad_batches=2", "trainer.max_steps=2",
+                  "callbacks.sample_grid.every_n_steps=2", "callbacks.sample_grid.num_samples=4",
+                  "callbacks.sample_grid.sampler.steps=2", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step_0000002.png"]

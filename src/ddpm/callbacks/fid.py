@@ -72,9 +72,12 @@ class FID(Callback):
         if not trainer.is_global_zero:
             self.reference = reference_stats(**stats, extractor=self.extractor, cache_dir=self.cache_dir)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last_step = trainer.global_step  # the step a fit starts at was evaluated before (a resume) or is 0
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        if step != self.last_step and step > 0 and step % self.every_n_steps == 0:
+        if step != self.last_step and step % self.every_n_steps == 0:
             self.last_step = step
             for name, value in self.evaluate(trainer, pl_module).items():
                 pl_module.log(f"val/{name}", value, on_step=True, on_epoch=False, batch_size=1)

@@ -71,8 +71,11 @@ class StepGrid(Callback):
     at_end: bool
     last_step: int = -1
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last_step = trainer.global_step  # no grid of the step a fit starts at (0, or a resume's: it has one)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
+        step = trainer.global_step  # under gradient accumulation, the batches before a step end at the last step
         if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
             self.last_step = step
             self.save(trainer, pl_module)
