@@ -338,6 +338,23 @@ def test_never_validates_follows_lightnings_validation_schedule(trainer: dict, r
     assert why is None if refused is None else refused in why
 
 
+@pytest.mark.parametrize(
+    ("fid_every", "val_every", "refused"),
+    [(10, 1000, None), (20, 5, "set callbacks.fid.every_n_steps=10 or lower")],
+)
+def test_a_fid_objective_follows_the_fid_callbacks_schedule_not_validation(fid_every, val_every, refused) -> None:
+    """val/cfid@K is logged by the FID callback every callbacks.fid.every_n_steps steps, whatever validation does
+    (before: refused by trainer.val_check_interval, and a FID interval beyond the run was not caught)."""
+    from ddpm.sweep import never_logged
+
+    resolved = {"trainer": {"max_steps": 10, "val_check_interval": val_every}, "model": {"num_classes": None},
+                "callbacks": {"fid": {"_target_": "ddpm.callbacks.fid.FID", "every_n_steps": fid_every,
+                                      "features": "clf.pt", "num_samples": 1000}}}  # fmt: skip
+    why = never_logged("val/cfid@1k", resolved)
+    assert why is None if refused is None else refused in why and "callbacks.fid" in why
+    assert (never_logged("val/loss", resolved) is None) == (val_every <= 10)  # val/loss: validation's schedule
+
+
 def test_a_sweep_whose_jobs_would_never_validate_is_refused_at_each_jobs_start(tmp_path: Path) -> None:
     """Before: each job trained to the end and recorded val/loss null, status COMPLETED."""
     sweep = tmp_path / "sweep"

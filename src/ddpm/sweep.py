@@ -76,9 +76,8 @@ def check_objective(resolved: dict[str, Any]) -> None:
     objective = resolved.get("objective") or "val/loss"
     keys = logged_metrics(resolved)
     if objective in keys:
-        if objective.startswith("val/") and in_sweep() and (why := never_validates(resolved.get("trainer") or {})):
-            raise ValueError(f"objective={objective!r} is logged at validation, and no job of this sweep would "
-                             f"validate (each would return no value): {why}")  # fmt: skip
+        if in_sweep() and (why := never_logged(objective, resolved)):
+            raise ValueError(f"objective={objective!r} {why}")
         return
     closest = difflib.get_close_matches(objective, keys, n=1, cutoff=0.0)[0]
     raise ValueError(
@@ -90,6 +89,26 @@ def check_objective(resolved: dict[str, Any]) -> None:
 
 def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def never_logged(objective: str, resolved: dict[str, Any]) -> str | None:
+    """Why no job of a sweep with this config would log `objective` (each would return no value), else None: the
+    FID callback's metrics come every callbacks.<name>.every_n_steps optimizer steps, val/loss at validation."""
+    from ddpm.callbacks.fid import FID
+
+    trainer, conditional = resolved.get("trainer") or {}, (resolved.get("model") or {}).get("num_classes") is not None
+    steps = trainer.get("max_steps", -1)
+    for name, node in (resolved.get("callbacks") or {}).items():
+        if _is_fid(node) and objective in fid_metrics(node, conditional=conditional):
+            every = node.get("every_n_steps", inspect.signature(FID).parameters["every_n_steps"].default)
+            if steps not in (None, -1) and steps < every:
+                return (f"is logged by callbacks.{name} every callbacks.{name}.every_n_steps={every} optimizer steps, "
+                        f"and no job of this sweep would get there (trainer.max_steps={steps}): set "
+                        f"callbacks.{name}.every_n_steps={steps} or lower, or raise trainer.max_steps")  # fmt: skip
+            return None
+    if objective.startswith("val/") and (why := never_validates(trainer)):
+        return f"is logged at validation, and no job of this sweep would validate (each would return no value): {why}"
+    return None
 
 
 def never_validates(trainer: dict[str, Any]) -> str | None:
