@@ -246,3 +246,25 @@ def test_under_gradient_accumulation_no_grid_is_drawn_before_the_first_step(tmp_
                   "callbacks.sample_grid.every_n_steps=2", "callbacks.sample_grid.num_samples=4",
                   "callbacks.sample_grid.sampler.steps=2", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step_0000002.png"]
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_longer_max_steps_follows_its_own_decay_from_the_first_step(tmp_path: Path) -> None:
+    """Cosine decay, a checkpoint at step 5 of an 8-step run, resumed with trainer.max_steps=10: step 5 ran at the
+    8-step schedule's LR (the optimizer's, restored) when optim.lr was unchanged; the run's LR rule is logged at the
+    step it starts at (before: at step 0 again)."""
+    from ddpm.optim import AdamW
+
+    common = ["data.limit=64", "data.batch_size=16", "callbacks.sample_grid=null", "trainer.log_every_n_steps=1",
+              "optim.lr=1e-3", "optim.warmup_steps=4", "optim.decay=cosine", "optim.min_lr_ratio=0.1",
+              "trainer.val_check_interval=100", "logger=csv"]  # fmt: skip
+    helpers.train(*common, "trainer.max_steps=8", "callbacks.checkpoint.every_n_train_steps=5",
+                  f"hydra.run.dir={tmp_path / 'a'}")  # fmt: skip
+    helpers.train(*common, "trainer.max_steps=10", f"ckpt_path={tmp_path / 'a/checkpoints/step_0000005.ckpt'}",
+                  f"hydra.run.dir={tmp_path / 'b'}")  # fmt: skip
+    with (tmp_path / "b" / "csv" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    lr = {int(r["step"]): float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")}
+    schedule = AdamW(lr=1e-3, warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
+    assert lr == pytest.approx({s: 1e-3 * schedule.lr_factor(s, 10) for s in range(5, 10)})
+    assert [int(r["step"]) for r in rows if r.get("optim/lr_scaled")] == [5]

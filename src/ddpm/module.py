@@ -164,7 +164,10 @@ class DiffusionModule(pl.LightningModule):
         self._follow_lr_rule()
         self._follow_data_position()
         for logger in self.loggers:
-            logger.log_metrics({"optim/lr_scaled": self.scaled_lr, "optim/global_batch": self.global_batch_size()})
+            logger.log_metrics(
+                {"optim/lr_scaled": self.scaled_lr, "optim/global_batch": self.global_batch_size()},
+                step=self.global_step,
+            )  # a resume's: at its step, not 0 again
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:  # the run config, readable
                 text = yaml.safe_dump(self.hparams.get("config") or {}, sort_keys=False)
                 logger.experiment.add_text("config", f"```yaml\n{text}```", global_step=self.global_step)
@@ -195,18 +198,19 @@ class DiffusionModule(pl.LightningModule):
     def _follow_lr_rule(self) -> None:
         """After a resume, the LR of this run's rule and global batch, not the checkpoint's: Lightning restores
         the optimizer's and the schedule's base LR, scaled for the run that saved them (another world size, batch,
-        accumulation or optim.lr). The warm-up position (the schedule's step) carries on."""
+        accumulation or optim.lr), and its LR at the checkpoint's step of a schedule for the checkpoint's
+        trainer.max_steps (a decay ends there). The warm-up position (the schedule's step) carries on."""
         schedule = self.lr_schedulers()
         optimizer = self.optimizers(use_pl_optimizer=False)
         resumed = self.trainer.ckpt_path is not None and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
-        if not resumed or all(lr == self.scaled_lr for lr in schedule.base_lrs):
+        if not resumed:
             return  # a fresh run, or another schedule (the LR range test's)
         old = schedule.base_lrs[0]
         schedule.base_lrs = [self.scaled_lr] * len(optimizer.param_groups)
-        factor = self.optim.lr_factor(schedule.last_epoch, self.trainer.max_steps)
-        for group in optimizer.param_groups:
+        factor = self.optim.lr_factor(schedule.last_epoch, self.trainer.max_steps)  # this run's max_steps: its decay
+        for group in optimizer.param_groups:  # the checkpoint's LR is its schedule's, for its own max_steps
             group["initial_lr"], group["lr"] = self.scaled_lr, self.scaled_lr * factor
-        if self.trainer.is_global_zero:
+        if self.trainer.is_global_zero and old != self.scaled_lr:
             rule = f"optim.lr={self.optim.lr:g}, optim.scaling={self.optim.scaling}"
             rule = f"global batch {self.global_batch_size()}, {rule}"
             say(f"LR after the resume: {self.scaled_lr:.6g} ({rule}); the checkpoint's was {old:.6g}")
