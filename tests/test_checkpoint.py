@@ -108,6 +108,13 @@ class Payload:
         return (Path.touch, (self.marker,))
 
 
+def test_a_protocol_0_pickle_naming_os_system_is_refused_as_code_not_called_damaged(tmp_path: Path) -> None:
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    with raises_naming(path, "safe loading refuses", "could run code"):
+        load_checkpoint(path)
+
+
 def test_pickled_code_is_refused_not_run(tmp_path: Path) -> None:
     path, marker = tmp_path / "evil.ckpt", tmp_path / "pwned"
     torch.save({CHECKPOINT_KEY: {}, "config": Payload(marker)}, path)

@@ -58,14 +58,33 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
 
 
 def reuse_names(node: Any) -> dict[str, Any]:
-    """A ModelCheckpoint overwrites its own names (last.ckpt, step_*.ckpt) instead of adding last-v1.ckpt: files
-    already there are this run's own, resumed in place (ddpm.run_dir refuses or moves any other run's)."""
+    """What train.py adds to a ModelCheckpoint: it overwrites its own names (last.ckpt, step_*.ckpt) instead of adding
+    last-v1.ckpt (files already there are this run's own, resumed in place: ddpm.run_dir refuses or moves any other
+    run's); monitoring `step` (or nothing) with save_on_train_epoch_end unset, a save due on an epoch's last batch is
+    written at its step (Lightning holds it until the next validation, which with trainer.val_check_interval counted
+    across epochs may be thousands of steps away); a validation metric keeps Lightning's rule (saved at validation,
+    where the metric is)."""
     target = node.get("_target_") if hasattr(node, "get") else None
     try:
         is_checkpoint = isinstance(target, str) and issubclass(get_class(target), ModelCheckpoint)
     except (ImportError, ValueError, TypeError):
         is_checkpoint = False
-    return {"enable_version_counter": False} if is_checkpoint else {}
+    if not is_checkpoint:
+        return {}
+    at_its_step = node.get("save_on_train_epoch_end") is None and node.get("monitor") in (None, "step")
+    return {"enable_version_counter": False, **({"save_on_train_epoch_end": True} if at_its_step else {})}
+
+
+def check_validation_schedule(trainer: dict[str, Any]) -> None:
+    """A fractional trainer.val_check_interval (of an epoch) needs validation tied to epochs; with the default
+    check_val_every_n_epoch=null Lightning refuses it, naming neither fix."""
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float) and trainer.get("check_val_every_n_epoch") is None:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is a fraction of an epoch, which needs validation at epoch ends "
+            f"(trainer.check_val_every_n_epoch=1); with check_val_every_n_epoch=null (the default) give a number of "
+            f"training batches across epochs, e.g. trainer.val_check_interval=500"
+        )
 
 
 def checkpoint_dirs(resolved: dict[str, Any]) -> list[Path]:
@@ -153,6 +172,7 @@ def train(cfg: DictConfig) -> float | None:
     resolved = with_latent(resolve_config(cfg))  # fail fast, before the LR range test too
     keys = TrainKeys.of(resolved)  # the entry point's own keys, typed (ddpm.config.entries)
     check_objective(resolved)  # a metric the run logs, before any step (objective_value checks again after fit)
+    check_validation_schedule(resolved.get("trainer") or {})
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(keys.ckpt_path, resume_dir=keys.resume_dir, output_dir=output_dir)
     ckpt_path = ckpt_path or hpc_checkpoint(output_dir)  # a requeued SLURM job resumes in place

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ddpm.models.diffusers_unet import DIFFUSERS_EXTRA
 
-WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")  # diffusers' names, its order
+WEIGHTS = "diffusion_pytorch_model.safetensors"  # diffusers' file name for a model's weights
 
 
 def autoencoder_class() -> type:
@@ -109,17 +109,14 @@ class VAE(nn.Module):
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The weights diffusers' from_pretrained reads from `folder`: diffusion_pytorch_model.safetensors if there is
-    one, else its .bin; else (sharded weights) every *.safetensors, else every *.bin."""
-    for name in WEIGHTS:
-        if (folder / name).is_file():
-            return [folder / name]
-    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    """Every weights file of `folder` (*.safetensors, then *.bin): what the identity hashes and an export copies
+    (diffusers loads one of them; hashing them all keeps the identities of folders encoded before)."""
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
 
 
 def folder_identity(folder: Path) -> str:
-    """sha256 (hex, 16 digits) of a VAE folder's config.json (as data: key order and spacing ignored) and the
-    weights diffusers loads from it (weight_files: another file beside them changes nothing)."""
+    """sha256 (hex, 16 digits) of a VAE folder's config.json (as data: key order and spacing ignored) and its
+    weights files (weight_files)."""
     digest = hashlib.sha256()
     config = json.loads((folder / "config.json").read_text())
     config.pop("_name_or_path", None)  # where it was loaded from, not what it is

@@ -57,8 +57,7 @@ EXPORT_FILES = (
     "model_index.json",
     RUN_CONFIG,
     "vae/config.json",  # a latent model's VAE (diffusers' AutoencoderKL): its decoder turns samples into images
-    f"vae/{WEIGHTS}",
-    "vae/diffusion_pytorch_model.bin",  # a VAE whose folder holds its weights as a pickle only
+    f"vae/{WEIGHTS}",  # its weights: this name, or whatever the VAE folder holds (vae_weights)
 )
 # UNet arguments that describe the network (checkpoint_activations is a training-time switch, left out).
 UNET_ARGS = [p for p in inspect.signature(UNet.__init__).parameters if p not in ("self", "checkpoint_activations")]
@@ -126,6 +125,11 @@ def export_diffusers(loaded: LoadedModel, out: str | os.PathLike, *, adapter: bo
     return atomic_folder(out, write_all, size=size, fix=fix, files=EXPORT_FILES)
 
 
+def vae_weights(name: str) -> bool:
+    """A latent export's VAE weights file (any name: add_vae copies the VAE folder's weights as they are)."""
+    return name.startswith("vae/") and "/" not in name[4:] and name.endswith((".safetensors", ".bin", ".index.json"))
+
+
 def vae_bytes(source: Path) -> int:
     """The size of what add_vae copies (0 where the folder is gone: add_vae refuses it)."""
     from ddpm.models.vae import weight_files
@@ -142,15 +146,14 @@ def add_vae(folder: Path, latent: dict[str, Any]) -> Path:
 
     source = Path(latent["vae"])
     weights = weight_files(source) if (source / "config.json").is_file() else []
-    if len(weights) != 1 or folder_identity(source) != latent["vae_identity"]:
-        held = "no longer holds it" if len(weights) < 2 else "holds it in sharded files, which an export does not copy"
+    if not weights or folder_identity(source) != latent["vae_identity"]:
         raise CheckpointError(
-            f"the model was trained on latents of the VAE {latent['vae_identity']} in {source}, which {held}; "
-            "restore that folder (or save the VAE into one file: AutoencoderKL.save_pretrained) to export the model "
-            "with its decoder"
+            f"the model was trained on latents of the VAE {latent['vae_identity']} in {source}, which no longer "
+            "holds it; restore that folder to export the model with its decoder"
         )
     (folder / "vae").mkdir()
-    for path in (source / "config.json", *weights):  # the files the identity is of: the same identity in the export
+    indexes = sorted(source.glob("*.index.json"))  # sharded weights: diffusers reads the shards through it
+    for path in (source / "config.json", *weights, *indexes):  # what the identity is of: the same identity there
         shutil.copyfile(path, folder / "vae" / path.name)
     index = read_json(folder / "model_index.json", folder)
     (folder / "model_index.json").write_text(json.dumps(index | {"vae": ["diffusers", "AutoencoderKL"]}, indent=2))
@@ -186,7 +189,7 @@ def check_replaceable(out: Path) -> None:
             f"out={out} exists and is not an export folder (a file or link); nothing was written. Pass a new folder"
         )
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()) if out.exists() else []
-    others = [name for name in files if name not in EXPORT_FILES]
+    others = [name for name in files if name not in EXPORT_FILES and not vae_weights(name)]
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise FileExistsError(
