@@ -174,7 +174,7 @@ def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: st
 def test_a_fractional_val_check_interval_needs_validation_at_epoch_ends() -> None:
     """1.0 stays a fraction (above); under the default check_val_every_n_epoch=null Lightning refuses one without
     naming a fix (before the whole-float fix, 1.0 silently meant every batch)."""
-    from ddpm.training import check_validation_schedule, reuse_names
+    from ddpm.training import check_validation_schedule, checkpoint_options
 
     with pytest.raises(ValueError, match=r"trainer.check_val_every_n_epoch=1.*trainer.val_check_interval=500"):
         check_validation_schedule({"val_check_interval": 1.0, "check_val_every_n_epoch": None})
@@ -186,9 +186,9 @@ def test_a_fractional_val_check_interval_needs_validation_at_epoch_ends() -> Non
         "monitor": "step",
         "save_on_train_epoch_end": None,
     }
-    assert reuse_names(node)["save_on_train_epoch_end"] is True
-    assert "save_on_train_epoch_end" not in reuse_names(node | {"monitor": "val/loss"})
-    assert "save_on_train_epoch_end" not in reuse_names(node | {"save_on_train_epoch_end": False})
+    assert checkpoint_options(node)["save_on_train_epoch_end"] is True
+    assert "save_on_train_epoch_end" not in checkpoint_options(node | {"monitor": "val/loss"})
+    assert "save_on_train_epoch_end" not in checkpoint_options(node | {"save_on_train_epoch_end": False})
 
 
 @pytest.mark.slow

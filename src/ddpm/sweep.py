@@ -94,13 +94,11 @@ def in_sweep() -> bool:
 def never_logged(objective: str, resolved: dict[str, Any]) -> str | None:
     """Why no job of a sweep with this config would log `objective` (each would return no value), else None: the
     FID callback's metrics come every callbacks.<name>.every_n_steps optimizer steps, val/loss at validation."""
-    from ddpm.callbacks.fid import FID
-
     trainer, conditional = resolved.get("trainer") or {}, (resolved.get("model") or {}).get("num_classes") is not None
     steps = trainer.get("max_steps", -1)
     for name, node in (resolved.get("callbacks") or {}).items():
         if _is_fid(node) and objective in fid_metrics(node, conditional=conditional):
-            every = node.get("every_n_steps", inspect.signature(FID).parameters["every_n_steps"].default)
+            every = fid_settings(node)["every_n_steps"]
             if steps not in (None, -1) and steps < every:
                 return (f"is logged by callbacks.{name} every callbacks.{name}.every_n_steps={every} optimizer steps, "
                         f"and no job of this sweep would get there (trainer.max_steps={steps}): set "
@@ -136,14 +134,20 @@ def fid_metrics(node: dict[str, Any], *, conditional: bool) -> list[str]:
     """What a `ddpm.callbacks.fid.FID` config logs: `val/<c><metric>@<K>` as compute_metrics names them (c for a
     classifier's features; K by count_tag: 500, 1k, 10k), and `val/accuracy@K` for a classifier on a
     conditional model."""
-    from ddpm.callbacks.fid import FID
     from ddpm.metrics.fid import count_tag
 
-    settings = {name: p.default for name, p in inspect.signature(FID).parameters.items()} | node
+    settings = fid_settings(node)
     tag, classifier = count_tag(int(settings["num_samples"])), settings["features"] != "inception"
     prefix = "c" if classifier else ""
     keys = [f"val/{prefix}{name}@{tag}" for metric in settings["metrics"] for name in FID_NAMES.get(metric, ())]
     return keys + ([f"val/accuracy@{tag}"] if classifier and conditional else [])
+
+
+def fid_settings(node: dict[str, Any]) -> dict[str, Any]:
+    """A `ddpm.callbacks.fid.FID` config node over the callback's defaults."""
+    from ddpm.callbacks.fid import FID
+
+    return {name: p.default for name, p in inspect.signature(FID).parameters.items()} | node
 
 
 def _is_fid(node: Any) -> bool:

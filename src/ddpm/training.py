@@ -53,11 +53,11 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
     ema = build(cfg.ema)
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    others = [build(node, **reuse_names(node)) for node in nodes]
+    others = [build(node, **checkpoint_options(node)) for node in nodes]
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
-def reuse_names(node: Any) -> dict[str, Any]:
+def checkpoint_options(node: Any) -> dict[str, Any]:
     """What train.py adds to a ModelCheckpoint: it overwrites its own names (last.ckpt, step_*.ckpt) instead of adding
     last-v1.ckpt (files already there are this run's own, resumed in place: ddpm.run_dir refuses or moves any other
     run's); monitoring `step` (or nothing) with save_on_train_epoch_end unset, a save due on an epoch's last batch is
@@ -90,7 +90,7 @@ def check_validation_schedule(trainer: dict[str, Any]) -> None:
 def checkpoint_dirs(resolved: dict[str, Any]) -> list[Path]:
     """The dirpath of every ModelCheckpoint in the config (they may lie outside the run folder)."""
     nodes = (resolved.get("callbacks") or {}).values()
-    return [Path(n["dirpath"]) for n in nodes if isinstance(n, dict) and n.get("dirpath") and reuse_names(n)]
+    return [Path(n["dirpath"]) for n in nodes if isinstance(n, dict) and n.get("dirpath") and checkpoint_options(n)]
 
 
 def hpc_checkpoint(folder: Path) -> Path | None:
