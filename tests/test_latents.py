@@ -286,6 +286,21 @@ def test_a_resumed_latent_stream_draws_a_fresh_order_from_every_shard(encoded: P
     assert len(seen) == 190  # every training latent, not only a fixed part of the shards
 
 
+def test_latent_epochs_shorter_than_a_pass_go_on_where_the_last_one_stopped(encoded: Path) -> None:
+    """As for pixel shards: epochs of 10 batches of 5 (a quarter of a pass) from one slot's stream, kept across
+    epochs: 19 epochs hold the first 950 draws, 5 whole passes, so every training latent comes 5 times (each epoch
+    began a new pass before: only the first 50 of every pass's order)."""
+    dm = LatentDataModule(root=str(encoded), batch_size=5, val_size=0.05, stream=True, shuffle_buffer=0)
+    dm.setup("fit")
+    dm.train_set.batches_per_epoch = 10
+    counts: dict[tuple, int] = {}
+    for _ in range(19):
+        for moments, _ in dm.train_dataloader():
+            for row in moments:
+                counts[tuple(row.flatten().tolist())] = counts.get(tuple(row.flatten().tolist()), 0) + 1
+    assert len(counts) == 190 and set(counts.values()) == {5}
+
+
 def test_batches_are_posterior_samples_on_the_device(encoded: Path) -> None:
     dm = LatentDataModule(root=str(encoded), batch_size=8)
     dm.setup("fit")

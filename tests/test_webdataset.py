@@ -142,6 +142,21 @@ def test_every_training_slot_draws_every_image_equally_often(tmp_path: Path, num
     assert counts == {digest(image): 4 for image in images}
 
 
+def test_epochs_shorter_than_a_shard_go_on_where_the_last_one_stopped(tmp_path: Path):
+    """Persistent workers keep their stream across epochs: 2 workers, epochs of half a shard each, 4 epochs = one
+    pass per worker, so every image comes exactly twice. Each epoch began a new pass before, from the start of a
+    shard: the later half of every shard was never drawn, in any epoch."""
+    images, labels = unique_images(80)
+    urls = [str(p) for p in write_shards(images, labels, tmp_path, samples_per_shard=40)]
+    dataset = stream(urls, batches_per_epoch=10, batch_size=4)  # 5 batches (20 images) per worker and epoch
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True, timeout=60)
+    counts: dict[str, int] = {}
+    for _ in range(4):
+        for image in torch.cat([x for x, _ in loader]):
+            counts[digest(image)] = counts.get(digest(image), 0) + 1
+    assert counts == {digest(image): 2 for image in images}
+
+
 def test_a_resumed_stream_draws_a_fresh_order_not_the_first_epochs_again(shards):
     """The pass count lives in the DataLoader workers and restarts with them: a resumed run (each SLURM requeue)
     replayed the first epochs' order. The order now also depends on the step the fit starts at."""

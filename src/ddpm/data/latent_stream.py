@@ -2,8 +2,9 @@
 
 As WebDataModule streams pixel shards (ddpm.data.webdataset): every (rank, DataLoader worker) slot keeps the images
 of one split (the train/val split of ddpm.data.latents); training passes over all the shards for ever, each pass in
-the slot's own fresh shard order (seeded by the seed, the slot, the pass and the step the run started or resumed at)
-through its own shuffle buffer, `batches_per_epoch` batches per rank and epoch; validation reads the slot's part of
+the slot's own fresh shard order (seeded by the seed, the slot and the step the run started or resumed at)
+through its own shuffle buffer, `batches_per_epoch` batches per rank and epoch, each epoch going on where the last
+stopped (webdataset.SlotStream); validation reads the slot's part of
 the shards once (ddpm.data.shards' `assign_shards`: slots that share a shard keep every k-th of its images).
 """
 
@@ -11,16 +12,15 @@ import random
 from collections.abc import Iterator
 
 from torch import Tensor
-from torch.utils.data import IterableDataset
 
 from ddpm.data.latent_shards import iter_samples
 from ddpm.data.shards import worker_share
-from ddpm.data.webdataset import batches, shuffle_buffer
+from ddpm.data.webdataset import SlotStream, batches, shuffle_buffer
 
 Batch = tuple[Tensor, Tensor]  # moments (B, 2c, h, w) float16 (z_d float32 (B, c, h, w) on the device), labels (B,)
 
 
-class LatentStream(IterableDataset[Batch]):
+class LatentStream(SlotStream):
     """Batches of moments and labels read from the shards of this (rank, worker) slot, keeping the images of one
     split; training: `batches_per_epoch` per rank from endless passes (None: one ordered pass, validation)."""
 
@@ -40,7 +40,7 @@ class LatentStream(IterableDataset[Batch]):
         super().__init__()
         self.paths, self.keep, self.latent_shape, self.batch_size = paths, keep, latent_shape, batch_size
         self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
-        self.rank, self.world_size, self.epoch = rank, world_size, 0
+        self.rank, self.world_size = rank, world_size
         self.start = 0  # the optimizer step the run started at (a resume's: a fresh order, not the first passes')
 
     def __len__(self) -> int:
@@ -49,14 +49,12 @@ class LatentStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        share = worker_share(self.paths, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
-                             start=self.start)  # fmt: skip
-        self.epoch += 1
+        share = worker_share(self.paths, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start)
         if self.batches_per_epoch is None:  # validation: one ordered pass over this slot's part
             yield from batches(self._pass(share.shards, share.offset, share.stride), self.batch_size, count=None)
             return
-        items = self._passes(self.paths, share.rng)  # training: every shard, in this slot's own order
-        yield from batches(items, self.batch_size, count=share.batch_count(self.batches_per_epoch))
+        make = lambda: batches(self._passes(self.paths, share.rng), self.batch_size, count=None)  # noqa: E731
+        yield from self.next_epoch(self.start, make, share.batch_count(self.batches_per_epoch))  # every shard
 
     def _passes(self, paths: list[str], rng: random.Random) -> Iterator[Batch]:
         """Endless passes over the images of `paths`, each in a fresh shard order through its own shuffle buffer

@@ -70,17 +70,15 @@ class WorkerShare:
         return batches_per_epoch // self.workers + int(self.worker < batches_per_epoch % self.workers)
 
 
-def worker_share(
-    shards: list[str], *, rank: int, world_size: int, seed: int, epoch: int, start: int = 0
-) -> WorkerShare:
-    """The share of `shards` read by this DataLoader worker of rank `rank`, with an RNG for pass `epoch` seeded by
-    (seed, start, epoch, slot): every slot shuffles differently, again each pass, and again in a run resumed at
-    optimizer step `start` (the pass count restarts with the workers, so a resume would replay the first passes)."""
+def worker_share(shards: list[str], *, rank: int, world_size: int, seed: int, start: int = 0) -> WorkerShare:
+    """The share of `shards` read by this DataLoader worker of rank `rank`, with an RNG seeded by (seed, start, slot):
+    every slot shuffles differently, and again in a run resumed at optimizer step `start` (a resume restarts the
+    workers and their streams, which would replay the first passes)."""
     info = get_worker_info()
     worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
     slot = rank * workers + worker
     mine, offset, stride = assign_shards(shards, slot, world_size * workers)
-    return WorkerShare(mine, offset, stride, random.Random(f"{seed}-{start}-{epoch}-{slot}"), worker, workers)
+    return WorkerShare(mine, offset, stride, random.Random(f"{seed}-{start}-{slot}"), worker, workers)
 
 
 class RemoteShardError(ConnectionError):

@@ -2,9 +2,10 @@
 too large to preload, with the same uint8 (B, C, H, W) batches and device-side scaling as RAMDataModule.
 
 Training resamples: each (rank, DataLoader worker) slot passes over all training shards for ever, each pass in
-its own fresh order (seeded by the seed, the slot, the pass and the step the run started or resumed at), through a
-shuffle buffer; an epoch is a fixed number of batches (`epoch_length`). A pass holds each image once, so every
-image has the same chance to be drawn, whatever the number of shards, slots and images per shard (a slot reading
+its own fresh order (seeded by the seed, the slot and the step the run started or resumed at), through a
+shuffle buffer; an epoch is the next fixed number of batches of that stream (`epoch_length`; the workers are
+persistent, so the next epoch goes on where this one stopped). A pass holds each image once, so every image has the
+same chance to be drawn, whatever the number of shards, slots, images per shard and the epoch's length (a slot reading
 a fixed part of the shards drew the images of a small part more often: 2x with 3 shards and 4 slots).
 
 Validation is one ordered pass over `val_urls` (or the last `val_shards` of `urls`), split by rank, then by
@@ -17,9 +18,10 @@ per-read timeout (`timeout_s`), and every failure names the URL (see ddpm.data.s
 each pass over a slot's shards warns with the count of shards it could not read.
 """
 
+import itertools
 import random
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -32,7 +34,25 @@ from ddpm.data.shards import OnError, ShardError, Skipped, expand_urls, read_sha
 from ddpm.data.sources import require, require_channels, require_image_size, require_positive_int
 
 
-class ShardStream(IterableDataset[Batch]):
+class SlotStream(IterableDataset[Batch]):
+    """A training slot's endless stream of batches, kept across epochs: each epoch takes the next ones, so a pass
+    goes on where the last epoch stopped (begun anew each epoch, an epoch shorter than a shard never reached the
+    later images of any shard). DataLoader workers are persistent and keep theirs; a new fit or resume (another
+    `start`) draws a fresh stream."""
+
+    _stream: Iterator[Batch] | None = None
+    _stream_start: int | None = None  # the `start` (first optimizer step) the stream was drawn for
+
+    def next_epoch(self, start: int, make: Callable[[], Iterator[Batch]], count: int) -> Iterator[Batch]:
+        if self._stream is None or self._stream_start != start:
+            self._stream, self._stream_start = make(), start
+        return itertools.islice(self._stream, count)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_stream": None, "_stream_start": None}  # a generator stays in its process
+
+
+class ShardStream(SlotStream):
     """Batches of uint8 images and int64 labels from the shards of this rank and worker (see the module doc)."""
 
     def __init__(
@@ -56,7 +76,6 @@ class ShardStream(IterableDataset[Batch]):
         self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
         self.on_error, self.rank, self.world_size = on_error, rank, world_size
         self.max_pixels, self.timeout_s = max_pixels, timeout_s
-        self.epoch = 0  # passes started in this process (workers are persistent, so it keeps counting)
         self.start = 0  # the optimizer step the run started at (a resume's: a fresh order, not the first passes')
 
     def __len__(self) -> int:
@@ -65,19 +84,19 @@ class ShardStream(IterableDataset[Batch]):
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Batch]:
-        share = worker_share(self.urls, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
-                             start=self.start)  # fmt: skip
-        self.epoch += 1
-        if self.batches_per_epoch is None:  # validation: this slot's part
+        share = worker_share(self.urls, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start)
+        if self.batches_per_epoch is None:  # validation: one ordered pass over this slot's part
             samples = self._samples(share.shards, share.offset, share.stride, share.rng)
-        else:  # training: every shard, in this slot's own order each pass
-            samples = self._samples(self.urls, 0, 1, share.rng)
-        if self.shuffle_buffer > 1:
-            samples = shuffle_buffer(samples, self.shuffle_buffer, share.rng)
-        if self.batches_per_epoch is None:
             yield from batches(samples, self.batch_size, count=None)
-        else:
-            yield from batches(samples, self.batch_size, count=share.batch_count(self.batches_per_epoch))
+            return
+
+        def make() -> Iterator[Batch]:  # every shard, in this slot's own order each pass
+            samples = self._samples(self.urls, 0, 1, share.rng)
+            if self.shuffle_buffer > 1:
+                samples = shuffle_buffer(samples, self.shuffle_buffer, share.rng)
+            return batches(samples, self.batch_size, count=None)
+
+        yield from self.next_epoch(self.start, make, share.batch_count(self.batches_per_epoch))
 
     def _samples(self, shards: list[str], offset: int, stride: int, rng: random.Random) -> Iterator[tuple[Tensor, int]]:
         """One ordered pass (validation), or endless passes in a fresh random order each (training)."""
