@@ -202,6 +202,49 @@ def test_a_trainer_fit_computes_one_gradient_norm_per_step(monkeypatch: pytest.M
     assert trainer.global_step == 4 and len(calls) == 4
 
 
+def test_16_mixed_gradients_are_unscaled_before_the_guard_and_clipping() -> None:
+    """Under 16-mixed Lightning leaves the gradients of a fused optimizer (ours) scaled by the GradScaler's scale, for
+    the kernel to unscale: the guard's norm read 65536 x the true norm and clipping cut every step to 1 / 65536 of
+    the clip value. A GradScaler starting at scale 1 (no scaling) is the truth: the guard's norms and the weights
+    after 3 clipped steps of 2 accumulated micro-batches agree. On CPU Lightning turns precision=16-mixed into bf16,
+    so the fp16 plugin is handed over as a GPU run builds it."""
+    import lightning.pytorch as pl
+    from helpers import tiny_unet
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from ddpm.data.ram import RAMDataModule
+    from ddpm.data.sources import DigitsSource
+    from ddpm.diffusion.gaussian import GaussianDiffusion
+    from ddpm.module import DiffusionModule
+    from ddpm.optim import AdamW
+
+    class Norms(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.seen.append(float(optimizer.grad_norm))  # the guard's, set just before (callback order)
+
+    def fit(scale: float) -> tuple[list[float], torch.Tensor]:
+        pl.seed_everything(0, verbose=False)
+        module = DiffusionModule(net=tiny_unet(), diffusion=GaussianDiffusion(num_timesteps=100),
+                                 optim=AdamW(lr=1e-3, warmup_steps=0))  # fmt: skip
+        before = torch.cat([p.detach().flatten() for p in module.net.parameters()])
+        data = RAMDataModule(source=DigitsSource(), image_size=8, channels=1, batch_size=8, limit=64, val_size=8)
+        norms = Norms()
+        norms.seen = []
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, num_sanity_val_steps=0,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, gradient_clip_val=0.01, accumulate_grad_batches=2,
+                             plugins=[plugin], callbacks=[NaNGuard(), norms])  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        assert trainer.precision_plugin.scaler.get_scale() == scale  # no step overflowed: none was skipped
+        return norms.seen, float((torch.cat([p.detach().flatten() for p in module.net.parameters()]) - before).norm())
+
+    (norms, moved), (true_norms, true_moved) = fit(2.0**16), fit(1.0)
+    assert len(norms) == 3 and min(true_norms) > 0.01  # clipping bites on every step
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(true_norms), rtol=1e-2, atol=0)
+    assert moved == pytest.approx(true_moved, rel=0.05)
+
+
 class ConstantLoss:
     """A LightningModule whose every micro-batch loss is 2.0 (with a gradient)."""
 

@@ -140,13 +140,31 @@ class DiffusionModule(pl.LightningModule):
         self.scaled_lr = self.optim.scaled_lr(global_batch)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, with the gradients unscaled under 16-mixed right after the backward: Lightning leaves
+        them scaled for a fused optimizer (ours, see ddpm.optim), whose kernel unscales inside the update, so the
+        guard's and the monitor's gradient norm read scale x the norm and clipping cut the true norm to
+        clip / scale (65536 at the start). Unscaled here, GradScaler.step hands the fused kernel only `found_inf`."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is None or optimizer_closure is None:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper: the scaler keys the torch optimizer
+
+        def closure_then_unscale() -> Any:
+            result = optimizer_closure()
+            if result is not None and getattr(raw, "_step_supports_amp_scaling", False):
+                scaler.unscale_(raw)  # once per step: after the last micro-batch's backward
+            return result
+
+        return super().optimizer_step(epoch, batch_idx, optimizer, closure_then_unscale)
+
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:  # fmt: skip
         """trainer.gradient_clip_val, applied here (foreach kernels, no host sync): Lightning's mixed-precision
         plugin refuses to clip for a fused optimizer (ours, see ddpm.optim), although by this hook the gradients
-        are unscaled under 16-mixed too (its GradScaler then passes the fused kernel only `found_inf`). The global
+        are unscaled under 16-mixed too (optimizer_step). The global
         norm that NaNGuard computed of these same gradients just before (`optimizer.grad_norm`) is reused, not
         computed again."""
         norm = vars(optimizer).pop("grad_norm", None)  # this step's, set by NaNGuard.on_before_optimizer_step

@@ -77,10 +77,11 @@ class VAEModule(pl.LightningModule):
         self._checked = False
         self._loss_fn = self._loss  # the compiled loss after configure_model, when compile is set
 
-    # The diffusion module's optimizer, LR rule after a resume, data position and gradient clipping (ddpm.module).
+    # The diffusion module's optimizer (its fp16 unscale), LR rule after a resume, data position and gradient clipping.
     global_batch_size = DiffusionModule.global_batch_size
     configure_optimizers = DiffusionModule.configure_optimizers
     configure_gradient_clipping = DiffusionModule.configure_gradient_clipping
+    optimizer_step = DiffusionModule.optimizer_step
     on_train_start = DiffusionModule.on_train_start
     _follow_lr_rule = DiffusionModule._follow_lr_rule
     _follow_data_position = DiffusionModule._follow_data_position
