@@ -147,7 +147,7 @@ class DiffusionModule(pl.LightningModule):
         clip / scale (65536 at the start). Unscaled here, GradScaler.step hands the fused kernel only `found_inf`."""
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is None or optimizer_closure is None:
-            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            return pl.LightningModule.optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure)
         raw = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper: the scaler keys the torch optimizer
 
         def closure_then_unscale() -> Any:
@@ -156,7 +156,7 @@ class DiffusionModule(pl.LightningModule):
                 scaler.unscale_(raw)  # once per step: after the last micro-batch's backward
             return result
 
-        return super().optimizer_step(epoch, batch_idx, optimizer, closure_then_unscale)
+        return pl.LightningModule.optimizer_step(self, epoch, batch_idx, optimizer, closure_then_unscale)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
