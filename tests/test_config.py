@@ -245,6 +245,7 @@ def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     expected = {EMA, RNGState, ModelCheckpoint, grid, LearningRateMonitor, Monitor, ProgressBar, Preemption}
     assert set(by_type) == expected | {NaNGuard}
     assert isinstance(callbacks[1], RNGState)  # right after EMA: its snapshot precedes checkpoint saves
+    assert isinstance(callbacks[-1], Preemption)  # its checkpoint holds this step's loss in the NaN guard's state
     assert Path(by_type[ModelCheckpoint].dirpath) == tmp_path / "checkpoints"  # under the run directory
     if name == "vae":
         return

@@ -117,28 +117,59 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path: Path, firs
     assert signal.getsignal(signal.SIGINT) is before  # also through Lightning's teardown after the exception
 
 
+SIGNALS = {
+    "SIGINT": (signal.SIGINT, EXIT_INTERRUPTED),
+    "SIGTERM": (signal.SIGTERM, 143),
+    "SIGUSR1": (signal.SIGUSR1, 143),
+}
+
+
+@pytest.mark.parametrize("name", SIGNALS)
 @pytest.mark.parametrize(("where", "step"), [("sanity check", 1), ("validation", 5)])
-def test_ctrl_c_during_validation_or_the_sanity_check_saves_after_the_next_step(
-    tmp_path: Path, where: str, step: int
+def test_a_signal_during_validation_or_the_sanity_check_saves_after_the_next_step(
+    tmp_path: Path, where: str, step: int, name: str
 ) -> None:
-    """Before the first step (the sanity check) the save follows step 1; during the validation after step 4, step 5."""
+    """Before the first step (the sanity check) the save follows step 1; during the validation after step 4, step 5.
+    A SIGTERM in the sanity check went to Lightning's handler (exit 0 after step 1, no checkpoint: a scheduler saw
+    success) and a SIGUSR1 killed the process: both were handled only from the training's start."""
+    signum, code = SIGNALS[name]
 
     def send(module: Toy) -> None:
         if module.trainer.sanity_checking == (where == "sanity check"):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
 
     with pytest.raises(Preempted) as info:
         fit(tmp_path, Toy(on_validation=send), num_sanity_val_steps=1, limit_val_batches=1, val_check_interval=4)
-    assert saved_step(info.value.path) == step and info.value.code == EXIT_INTERRUPTED
+    assert saved_step(info.value.path) == step and info.value.code == code
 
 
+@pytest.mark.parametrize("limit", ["max_steps", "max_epochs"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path, signum: int) -> None:
-    """The last step (trainer.max_steps) ends the run anyway: it finishes normally (train.py then writes ema.pt)
-    instead of exiting with a checkpoint that a resume could not continue (nothing left to train)."""
-    before = signal.getsignal(signal.SIGINT)
-    trainer = fit(tmp_path, Toy(on_batch=send_at(5, signum)), max_steps=6)
-    assert trainer.global_step == 6 and trainer.state.finished and signal.getsignal(signal.SIGINT) is before
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path, signum: int, limit: str) -> None:
+    """The last step (trainer.max_steps, or the last batch of trainer.max_epochs) ends the run anyway: it finishes
+    normally (train.py then writes ema.pt) instead of exiting with a checkpoint that a resume could not continue
+    (nothing left to train: a max_epochs run saved one and exited 143). Afterwards the handlers are the ones before
+    the fit (SIGTERM was left with Lightning's, which ignored the signal: the process went on)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    bounds = {"max_steps": 6} if limit == "max_steps" else {"max_steps": -1, "max_epochs": 1}  # 32 batches
+    trainer = fit(tmp_path, Toy(on_batch=send_at(bounds.get("max_steps", 32) - 1, signum)), **bounds)
+    assert trainer.global_step == (6 if limit == "max_steps" else 32) and trainer.state.finished
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.parametrize(("log_every", "step", "agree"), [(0, 50, True), (0, 49, False), (1, 49, True)])
+def test_ranks_agree_on_a_signal_even_where_lightning_never_logs(log_every: int, step: int, agree: bool) -> None:
+    """Under DDP the ranks share rank 0's signal at the steps Lightning logs; with trainer.log_every_n_steps=0 it
+    never logs, so a signal was never acted on (the run trained to its end, then the scheduler's SIGKILL)."""
+    from types import SimpleNamespace
+
+    preemption, broadcasts = Preemption(), []
+    preemption.received = signal.SIGTERM
+    strategy = SimpleNamespace(broadcast=lambda x, src: broadcasts.append(x) or x)
+    logs = SimpleNamespace(should_update_logs=log_every == 1)
+    trainer = SimpleNamespace(world_size=2, log_every_n_steps=log_every, global_step=step, strategy=strategy,
+                              _logger_connector=logs, fast_dev_run=False)  # fmt: skip
+    assert preemption._broadcast(trainer) == (signal.SIGTERM if agree else None) and len(broadcasts) == agree
 
 
 # --- Ctrl-C during training: a real train.py -----------------------------------------------------------------

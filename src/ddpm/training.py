@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
@@ -50,10 +51,12 @@ class NoTrainingStep(RuntimeError):
 
 
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
-    """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others."""
+    """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others,
+    Preemption last: its checkpoint holds what every other callback did at that step (the NaN guard's loss)."""
     ema = build(cfg.ema)
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
     others = [build(node, **checkpoint_options(node)) for node in nodes]
+    others.sort(key=lambda callback: isinstance(callback, Preemption))
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 

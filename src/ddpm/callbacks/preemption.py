@@ -7,17 +7,20 @@ checkpoint is written by the training loop after the next optimizer step (never 
 micro-batches, whose gradients a checkpoint does not hold), to `<checkpoint dir>/last.ckpt`, through the
 trainer's CheckpointIO. The process then exits with 128 + the signal (EXIT_INTERRUPTED = 130 for Ctrl-C,
 EXIT_PREEMPTED = 143 for SIGTERM and SIGUSR1); `python train.py ckpt_path=<that last.ckpt>` continues the run.
-A signal during the last step lets the run finish normally (ema.pt is written, exit 0).
+A signal during the fit's last step (max_steps, or the last batch of max_epochs) lets the run finish normally
+(ema.pt is written, exit 0).
 
 Ctrl-C says at once that it will save, and that a second Ctrl-C exits without saving: the second raises
 `Interrupted` (exit 130) wherever the process is (a save in progress is atomic: it leaves the previous file).
-SIGINT is handled from `on_fit_start`, before the sanity check and before any DataLoader worker is forked;
+Every signal is handled from `on_fit_start`, before the sanity check and before any DataLoader worker is forked;
 workers inherit the handler and ignore the signal (the terminal sends Ctrl-C to the whole process group, and a
-worker that died of it would crash the main process with "DataLoader worker exited unexpectedly"). SIGTERM and
-SIGUSR1 are handled from `on_train_start`, after Lightning installed its own SIGTERM handler: this callback
-replaces it (Lightning's would stop after the current micro-batch with exit status 0 and no checkpoint). Under
-SLURM with `SLURMEnvironment(auto_requeue=True)` Lightning handles the requeue signal itself (checkpoint and
-`scontrol requeue`), so this callback leaves that signal to it. Every handler is given back when fit ends.
+worker that died of it would crash the main process with "DataLoader worker exited unexpectedly"). Lightning then
+installs its own SIGTERM handler (which would stop the sanity check or the current micro-batch with exit status 0
+and no checkpoint); this callback takes SIGTERM back at the sanity check's and the training's start, so a signal
+at any point of the fit is saved after the next optimizer step (step 1 at the earliest). Under SLURM with
+`SLURMEnvironment(auto_requeue=True)` Lightning handles the requeue signal itself (checkpoint and `scontrol
+requeue`), so this callback leaves that signal to it. Every handler is given back when fit ends. Under DDP the ranks
+agree on the signal at the steps Lightning logs (every `SIGNAL_EVERY` optimizer steps with log_every_n_steps=0).
 """
 
 import contextlib
@@ -36,6 +39,7 @@ from ddpm.callbacks.monitor import logs_this_step
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved, resume with ckpt_path=last"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (the shell's convention), with or without the checkpoint
+SIGNAL_EVERY = 50  # optimizer steps between the ranks' agreements on a signal when Lightning never logs
 
 
 class Preempted(SystemExit):
@@ -112,18 +116,29 @@ class Preemption(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received, self._pid = None, os.getpid()
         self._announce, self._last = trainer.is_global_zero, last_checkpoint_path(trainer)
-        self._install(trainer, [name for name in self.signals if name == "SIGINT"])
+        self._install(trainer, list(self.signals))
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_back(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_back(trainer)
+
+    def _take_back(self, trainer: pl.Trainer) -> None:
+        """Replace the SIGTERM handler Lightning installed after on_fit_start (it calls ours too, so a signal that
+        came in between is already ours; its own flag would stop the loop without a checkpoint)."""
         self._install(trainer, [name for name in self.signals if name != "SIGINT"])
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         received = self._broadcast(trainer)
         if received is None or trainer.fit_loop.epoch_loop._should_accumulate():
             return
         name = signal.Signals(received).name
-        if 0 <= trainer.max_steps <= trainer.global_step:
-            rank_zero_info(f"Received {name} at the last step (trainer.max_steps={trainer.max_steps}): finishing")
+        if fit_ends_after_this_step(trainer):
+            rank_zero_info(f"Received {name} at the fit's last step ({trainer.global_step}): finishing")
             return
         path = last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
@@ -136,10 +151,11 @@ class Preemption(Callback):
     def _broadcast(self, trainer: pl.Trainer) -> int | None:
         """Rank 0's view wins, so every rank stops at the same step (and saves the same checkpoint). Several
         processes agree at the steps Lightning logs only: a broadcast is a host-device sync, which every step would
-        pay; a signal is then acted on within trainer.log_every_n_steps optimizer steps."""
+        pay; a signal is then acted on within trainer.log_every_n_steps (or SIGNAL_EVERY) optimizer steps."""
         if trainer.world_size == 1:
             return self.received
-        if not logs_this_step(trainer):
+        every = trainer.log_every_n_steps
+        if not (logs_this_step(trainer) if every else trainer.global_step % SIGNAL_EVERY == 0):
             return None
         return trainer.strategy.broadcast(self.received, src=0)
 
@@ -159,6 +175,16 @@ class Preemption(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore()
+
+
+def fit_ends_after_this_step(trainer: pl.Trainer) -> bool:
+    """Whether this optimizer step is the fit's last: trainer.max_steps reached, or the last batch of the last epoch
+    of trainer.max_epochs (a checkpoint saved there would hold a finished run, which nothing can resume)."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    max_epochs = trainer.max_epochs
+    last_epoch = max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1
+    return last_epoch and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> Path:
