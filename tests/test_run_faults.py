@@ -24,8 +24,8 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from ddpm.resume import check_resume, resolve_ckpt_path
-from ddpm.run_dir import RunFolderTaken, claim_run
-from ddpm.training import hpc_checkpoint
+from ddpm.run_dir import RUN_FILES, RunFolderGuard, RunFolderTaken, claim_run
+from ddpm.training import hpc_checkpoint, requeued_from
 from ddpm.weights import CheckpointError
 
 LR = 1e-3  # optim.lr at optim.base_batch_size=32; optim.scaling=linear: 2e-3 for the 2-process global batch of 64
@@ -173,6 +173,29 @@ def test_run_folder_rule_for_checkpoint_folders_requeues_and_other_ranks(tmp_pat
         claim_run(run, ckpt_path=None, overwrite=False)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP child writes into the folder rank 0 claimed
     claim_run(run, ckpt_path=None, overwrite=False)
+
+
+def test_a_requeued_job_that_named_a_ckpt_path_resumes_from_the_requeues_checkpoint(tmp_path: Path) -> None:
+    """SLURM runs a requeued job's first command again: where that named ckpt_path (a resume, of this run or of
+    another), the newer hpc checkpoint the requeue saved in the run folder was ignored (up to a checkpoint interval
+    trained again), or the run folder was refused as another run's."""
+    from omegaconf import OmegaConf
+
+    run, other = tmp_path / "run", tmp_path / "other" / "checkpoints" / "last.ckpt"
+    (run / "checkpoints").mkdir(parents=True)
+    other.parent.mkdir(parents=True)
+    for path in (other, run / "checkpoints" / "last.ckpt", run / "config.yaml"):
+        path.write_bytes(b"x")
+    assert requeued_from(run, other) == other  # no requeue yet
+    os.utime(run / "checkpoints" / "last.ckpt", (1, 1))
+    (run / "hpc_ckpt_1.ckpt").write_bytes(b"x")
+    assert requeued_from(run, None) == requeued_from(run, other) == run / "hpc_ckpt_1.ckpt"
+    assert requeued_from(run, run / "checkpoints" / "last.ckpt") == run / "hpc_ckpt_1.ckpt"
+    os.utime(run / "hpc_ckpt_1.ckpt", (0, 0))
+    assert requeued_from(run, run / "checkpoints" / "last.ckpt") == run / "checkpoints" / "last.ckpt"  # saved after
+    config = OmegaConf.create({"ckpt_path": str(other), "resume_dir": None, "overwrite": False})
+    RunFolderGuard._claim(run, config, RUN_FILES, "hydra.run.dir", everything=True)  # the requeue: not refused
+    assert (run / "config.yaml").is_file()
 
 
 # --- ckpt_path: a run folder or its checkpoints/ folder, and the resume's advice ---------------------------------

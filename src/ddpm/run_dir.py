@@ -171,7 +171,7 @@ class RunFolderGuard(Callback):
             ckpt = resolve_ckpt_path(config.get("ckpt_path"), resume_dir=config.get("resume_dir"), output_dir=folder)
         except Exception:  # train() reports a bad ckpt_path; here it resumes nothing
             ckpt = None
-        ckpt = ckpt or (folder if held(folder, ("hpc_ckpt_*.ckpt",)) else None)  # SLURM's requeue resumes in place
+        ckpt = folder if held(folder, ("hpc_ckpt_*.ckpt",)) else ckpt  # SLURM's requeue resumes in place
         try:
             claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key, **moved)
         except RunFolderTaken as refused:

@@ -104,6 +104,19 @@ def hpc_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def requeued_from(output_dir: Path, ckpt_path: Path | None) -> Path | None:
+    """The checkpoint a run resumes from: the run folder's hpc checkpoint where it is newer than `ckpt_path` (a
+    requeued SLURM job runs its first command again, whose ckpt_path, if any, is older than what the requeue saved);
+    else `ckpt_path`."""
+    hpc = hpc_checkpoint(output_dir)
+    if hpc is None or (ckpt_path is not None and hpc.stat().st_mtime <= Path(ckpt_path).stat().st_mtime):
+        return ckpt_path
+    if ckpt_path is not None and first_process():
+        say(f"Resuming from {hpc}, which SLURM's requeue saved after ckpt_path={ckpt_path} (delete it to resume "
+            "from ckpt_path)")  # fmt: skip
+    return hpc
+
+
 def keep_metrics_history(loggers: list[Any] | bool) -> None:
     """Lightning's CSVLogger deletes an existing metrics.csv when it starts; a resume in place keeps the old one
     under another name (metrics-<time>.csv)."""
@@ -178,7 +191,7 @@ def train(cfg: DictConfig) -> float | None:
     check_validation_schedule(resolved.get("trainer") or {})
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(keys.ckpt_path, resume_dir=keys.resume_dir, output_dir=output_dir)
-    ckpt_path = ckpt_path or hpc_checkpoint(output_dir)  # a requeued SLURM job resumes in place
+    ckpt_path = requeued_from(output_dir, ckpt_path)  # a requeued SLURM job resumes in place
     claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
     if keys.tune is not None:
