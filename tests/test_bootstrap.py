@@ -49,6 +49,18 @@ def _mmd2_pairwise(x, y):
     return sum(xx) / len(xx) + sum(yy) / len(yy) - 2 * sum(xy) / len(xy)
 
 
+def test_kid_reference_is_a_random_subset_not_the_datasets_first_images():
+    """A reference in dataset order (class a, then class b: a sorted folder, MNIST's test writers) and generated
+    features drawn from both: KID against a random 300 of it is near 0 (the unbiased MMD^2 of one distribution).
+    Against its first 300 (class a only) it read the distance between the mixture and class a."""
+    g = torch.Generator().manual_seed(0)
+    ordered = torch.cat([torch.randn(1000, 8, generator=g), torch.randn(1000, 8, generator=g) + 2]).double()
+    fake = ordered[torch.randperm(2000, generator=g)[:300]] + 0.01 * torch.randn(300, 8, generator=g).double()
+    kid = SetStatistics(FeatureStats.of(ordered), fake, kid_reference=300).kid(torch.ones(300, dtype=torch.float64))
+    mixed = _mmd2_pairwise(fake[:100], ordered[:100])  # what a first-rows reference measures: class a vs the mixture
+    assert abs(kid) < 0.05 * mixed
+
+
 def test_kid_is_the_unbiased_mmd2_and_leaves_out_copies_of_one_image(sets):
     _, ref, fake = sets
     reference = FeatureStats.of(ref[:40])
