@@ -196,6 +196,28 @@ def test_reference_stats_are_cached_per_dataset_resolution_and_extractor(
     assert net.calls > calls
 
 
+def test_reference_stats_follow_the_files_under_the_same_root(tmp_path: Path) -> None:
+    """The cache key named data.root but not what it holds: a folder grown by 30 images (and a class) kept its
+    statistics of the first 10. The files' paths, sizes and times are in the key now."""
+    from PIL import Image
+
+    from ddpm.data.sources import ImageFolderSource
+
+    def add(folder: str, count: int, value: int) -> None:
+        (tmp_path / "images" / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.new("L", (8, 8), value + i).save(tmp_path / "images" / folder / f"{i}.png")
+
+    add("a", 10, 0)
+    source = ImageFolderSource(root=str(tmp_path / "images"))
+    extractor = FeatureExtractor(net=MeanPool(), name="meanpool", kind="classifier")
+    stats = lambda: reference_stats(source, image_size=8, channels=1, extractor=extractor, cache_dir=tmp_path / "c")  # noqa: E731
+    assert stats().num == 10
+    add("b", 30, 100)
+    assert stats().num == stats().num == 40  # computed once more, then read
+    assert len(list((tmp_path / "c").iterdir())) == 2
+
+
 def test_missing_inception_weights_fail_with_the_file_the_folder_and_the_url(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,6 +32,8 @@ class Source(Protocol):
 
     def count(self) -> int: ...  # number of images, known without decoding them (for the RAM check)
 
+    def files(self) -> list[Path]: ...  # the files the images are read from (what cached statistics depend on)
+
     def load(self, *, image_size: int, channels: int | None) -> ImageSet: ...
 
 
@@ -85,6 +87,9 @@ class DigitsSource:
 
     def count(self) -> int:
         return 1797
+
+    def files(self) -> list[Path]:
+        return []  # scikit-learn's own copy
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet:
         from sklearn.datasets import load_digits
@@ -152,6 +157,9 @@ class MNISTSource:
     def count(self) -> int:
         return sum(read_idx_header(images)[1][0] for images, _ in self._files())
 
+    def files(self) -> list[Path]:
+        return [path for pair in self._files() for path in pair]
+
     def load(self, *, image_size: int, channels: int | None) -> ImageSet:
         arrays = [(read_idx(images), read_idx(labels)) for images, labels in self._files()]
         for (images, labels), (path, _) in zip(arrays, self._files(), strict=True):
@@ -199,6 +207,9 @@ class CIFAR10Source:
 
     def count(self) -> int:
         return 10_000 * len(self._batches())
+
+    def files(self) -> list[Path]:
+        return self._batches()
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet:
         images, labels = [], []
@@ -266,6 +277,9 @@ class ImageFolderSource:
 
     def count(self) -> int:
         return len(self._files())
+
+    def files(self) -> list[Path]:
+        return [path for path, _ in self._files()]
 
     def load(self, *, image_size: int, channels: int | None) -> ImageSet:
         mode = "L" if channels == 1 else "RGB"

@@ -153,13 +153,21 @@ def _key_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def content(files: list[Path]) -> str:
+    """A digest of the files' paths, sizes and modification times: images added, removed or replaced under the same
+    data.root (a folder grown, MNIST's train pair downloaded beside the test pair) change it."""
+    listed = [f"{path}|{(stat := path.stat()).st_size}|{stat.st_mtime_ns}" for path in files]
+    return hashlib.sha256("\n".join(listed).encode()).hexdigest()[:16]
+
+
 def reference_key(source: Source, *, image_size: int, channels: int | None, extractor: str) -> dict[str, Any]:
-    """What the cached statistics depend on: the source (its class and fields), resolution, extractor."""
+    """What the cached statistics depend on: the source (its class, fields and files), resolution, extractor."""
     fields = _key_fields(dataclasses.asdict(source) if dataclasses.is_dataclass(source) else {})  # type: ignore[arg-type]
     return {
         "format": CACHE_FORMAT,
         "source": type(source).__name__,
         **fields,
+        "files": content(source.files()),
         "image_size": image_size,
         "channels": channels,
         "features": extractor,
