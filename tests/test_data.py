@@ -314,6 +314,24 @@ def test_image_folder_empty_or_unreadable_is_a_clear_error(tmp_path: Path) -> No
         ImageFolderSource(root=str(tmp_path / "broken")).load(image_size=8, channels=3)
 
 
+def test_image_folder_refuses_an_empty_class_and_skips_hidden_files(tmp_path: Path) -> None:
+    """An empty class folder was skipped, so every later folder took the label of the one before ('2' read as
+    class 1) without a word; hidden files under a class folder (Jupyter's checkpoints, macOS's ._ files) were read
+    as images of the class (a duplicate, or a load that failed on a file that is no image)."""
+    for folder in ("0", "2"):
+        save(tmp_path / "digits" / folder / "a.png", np.full((8, 8, 3), int(folder), dtype=np.uint8))
+    (tmp_path / "digits" / "1").mkdir()
+    (tmp_path / "digits" / "1" / "a.heic").write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError, match=r"class folder\(s\) \['1'\] hold no images"):
+        ImageFolderSource(root=str(tmp_path / "digits")).count()
+    assert ImageFolderSource(root=str(tmp_path / "digits"), conditional=False).count() == 2  # no labels to shift
+    save(tmp_path / "digits" / "1" / "a.png", np.full((8, 8, 3), 1, dtype=np.uint8))
+    save(tmp_path / "digits" / "1" / ".ipynb_checkpoints" / "a-checkpoint.png", np.zeros((8, 8, 3), dtype=np.uint8))
+    (tmp_path / "digits" / "2" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    loaded = ImageFolderSource(root=str(tmp_path / "digits")).load(image_size=8, channels=3)
+    assert loaded.labels.tolist() == [0, 1, 2] and loaded.images[:, 0, 0, 0].tolist() == [0, 1, 2]
+
+
 # --- RAMDataModule -----------------------------------------------------------------------------------
 
 

@@ -229,6 +229,11 @@ class CIFAR10Source:
 
 # --- A folder of images, one sub-folder per class --------------------------------------------------
 
+
+def _hidden(path: Path, folder: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(folder).parts)
+
+
 _EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 
 
@@ -250,27 +255,27 @@ class ImageFolderSource:
                 "an integer >= 1, or null for no limit (only for trusted files)")  # fmt: skip
 
     def _classes(self) -> list[Path]:
-        """Class folders: visible sub-folders holding at least one image (skips .ipynb_checkpoints and empties)."""
+        """Class folders: the visible sub-folders, sorted; a folder's place in that order is its label."""
         root = require_dir(self.root, "one sub-folder of images per class", "set data.root=...")
-        return sorted(
-            p
-            for p in root.iterdir()
-            if p.is_dir() and not p.name.startswith(".") and any(f.suffix.lower() in _EXTENSIONS for f in p.rglob("*"))
-        )
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     def _files(self) -> list[tuple[Path, int]]:
+        """(image, label) for every visible image file under the class folders (hidden files and folders, such as
+        .ipynb_checkpoints/ or macOS's ._x.png, are not images of the class)."""
         classes = self._classes()
-        files = [
-            (path, label)
-            for label, folder in enumerate(classes)
-            for path in sorted(folder.rglob("*"))
-            if path.suffix.lower() in _EXTENSIONS
-        ]
-        if not files:
+        listed = {folder: [path for path in sorted(folder.rglob("*")) if path.suffix.lower() in _EXTENSIONS
+                           and path.is_file() and not _hidden(path, folder)] for folder in classes}  # fmt: skip
+        if not any(listed.values()):
             raise FileNotFoundError(
                 f"data.root={self.root} has no images in class sub-folders (root/<class>/*.png|jpg...); fix data.root"
             )
-        return files
+        empty = [folder.name for folder, files in listed.items() if not files]
+        if empty and self.conditional:  # skipped, it would give every later class the label of the one before
+            raise FileNotFoundError(
+                f"data.root={self.root}: the class folder(s) {empty} hold no images; each visible sub-folder is a "
+                "class, labelled by its place in sorted order: add its images, or move the folder out of data.root"
+            )
+        return [(path, label) for label, folder in enumerate(classes) for path in listed[folder]]
 
     def prepare(self) -> None:
         pass
