@@ -314,6 +314,17 @@ def test_image_folder_empty_or_unreadable_is_a_clear_error(tmp_path: Path) -> No
         ImageFolderSource(root=str(tmp_path / "broken")).load(image_size=8, channels=3)
 
 
+def test_only_mnist_is_padded_other_small_images_are_resized() -> None:
+    """CIFAR-10 at image_size 40 came out with a black 4-pixel border: the MNIST padding applied to any square
+    image up to a quarter smaller. A uniform image resized stays uniform."""
+    from ddpm.data.sources import finish
+
+    grey = torch.full((2, 3, 32, 32), 200, dtype=torch.uint8)
+    assert finish(grey, torch.zeros(2), 10, image_size=40, channels=3).images.eq(200).all()
+    padded = finish(grey, torch.zeros(2), 10, image_size=40, channels=3, pad=True).images
+    assert padded[:, :, :4].eq(0).all() and padded[:, :, 4:36, 4:36].eq(200).all()
+
+
 def test_image_folder_refuses_an_empty_class_and_skips_hidden_files(tmp_path: Path) -> None:
     """An empty class folder was skipped, so every later folder took the label of the one before ('2' read as
     class 1) without a word; hidden files under a class folder (Jupyter's checkpoints, macOS's ._ files) were read

@@ -239,10 +239,11 @@ def test_train_py_runs_on_shards(tmp_path: Path):
     assert (run_dir / "ema.pt").is_file()
 
 
-@pytest.mark.parametrize("size", [(64, 40), (28, 24), (20, 36)])  # (width, height): larger, smaller, portrait
-def test_a_non_square_image_in_a_shard_is_cropped_as_an_image_folder_crops_it(tmp_path: Path, size) -> None:
+@pytest.mark.parametrize("size", [(64, 40), (28, 24), (20, 36), (28, 28), (40, 40)])  # (width, height)
+def test_an_image_in_a_shard_is_sized_as_an_image_folder_sizes_it(tmp_path: Path, size) -> None:
     """decode() read only the width: 28x24 came out (1, 28, 32) (torch.stack fails on a mixed batch), 64x40 was
-    squashed to a square; data=image_folder centre-crops the same file."""
+    squashed to a square; a square 28x28 got a black border (MNIST's padding, for any image up to a quarter
+    smaller). data=image_folder centre-crops (or resizes) the same file, and so does decode."""
     from PIL import Image
 
     pixels = torch.randint(0, 256, (size[1], size[0]), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))

@@ -58,15 +58,15 @@ def resize_uint8(images: Tensor, size: int) -> Tensor:
     return torch.cat(out)
 
 
-def fit_to_size(images: Tensor, size: int) -> Tensor:
-    """Pad small square images with a centred zero border (MNIST 28 -> 32, as is standard), else resize (square
-    images only: centre_crop takes others)."""
+def fit_to_size(images: Tensor, size: int, *, pad: bool = False) -> Tensor:
+    """Square images to `size`: with `pad`, small ones get a centred zero border (MNIST 28 -> 32, as is standard for
+    MNIST only: a photo's black border is no part of it); else resized (centre_crop takes non-square images)."""
     height = images.shape[-1]
     if images.shape[-2] != height:
         raise ValueError(f"fit_to_size takes square images, not {tuple(images.shape[-2:])}: centre_crop them")
-    if height < size and (size - height) % 2 == 0 and (size - height) <= height // 4:
-        pad = (size - height) // 2
-        return F.pad(images, (pad, pad, pad, pad))
+    if pad and height < size and (size - height) % 2 == 0 and (size - height) <= height // 4:
+        border = (size - height) // 2
+        return F.pad(images, (border, border, border, border))
     return resize_uint8(images, size)
 
 

@@ -18,11 +18,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Literal
 
-import torch
 from torch import Tensor
 from torch.utils.data import get_worker_info
 
-from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, convert_channels, fit_to_size, open_image
+from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, convert_channels, open_image
 
 OnError = Literal["raise", "skip"]
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
@@ -166,9 +165,8 @@ def decode(
 ) -> tuple[Tensor, int]:
     """{png|jpg..: bytes, cls: b'3'} -> (C, image_size, image_size) uint8, class index. Decoded upright (EXIF
     orientation applied); modes convert as ddpm.data.images says (16-bit scaled, transparency onto white, ...);
-    a non-square image is centre-cropped as data=image_folder does; images over max_pixels are refused."""
-    import numpy as np
-
+    resized (a non-square one: its centre square) exactly as data=image_folder loads the same file; images over
+    max_pixels are refused."""
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in fields), None)
     label_ext = next((e for e in LABEL_EXTENSIONS if e in fields), None)
     if image_ext is None or label_ext is None:
@@ -176,12 +174,7 @@ def decode(
     mode = {1: "L", 3: "RGB"}.get(channels)  # type: ignore[arg-type]
     image = open_image(fields[image_ext], mode, name=f"image {key}.{image_ext}", max_pixels=max_pixels,
                        setting="data.max_pixels")  # fmt: skip
-    if image.width != image.height:  # as data=image_folder: the short side resized, the centre square cropped
-        tensor = centre_crop(image, image_size)[None]
-    else:  # square: a small one padded (MNIST 28 -> 32), else resized
-        array = np.asarray(image, dtype=np.uint8)
-        array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
-        tensor = fit_to_size(torch.from_numpy(array.copy())[None], image_size)
+    tensor = centre_crop(image, image_size)[None]  # as data=image_folder loads the same file (square: resized)
     return convert_channels(tensor, channels)[0], int(fields[label_ext].decode().strip())
 
 

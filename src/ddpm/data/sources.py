@@ -61,8 +61,11 @@ def require_image_size(key: str, value: Any) -> None:
     require(key, value, lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (it follows model.image_size)")
 
 
-def finish(images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None):
-    images = convert_channels(fit_to_size(images, image_size), channels)
+def finish(
+    images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None, pad: bool = False
+) -> ImageSet:
+    """Square uint8 images at image_size (MNIST's padded: `pad`) with `channels`, and their labels."""
+    images = convert_channels(fit_to_size(images, image_size, pad=pad), channels)
     return ImageSet(images=images.contiguous(), labels=labels.long(), num_classes=num_classes)
 
 
@@ -167,7 +170,7 @@ class MNISTSource:
                 raise ValueError(f"{path}: {images.shape} images for {len(labels)} labels; not an MNIST pair")
         images = torch.from_numpy(np.concatenate([a for a, _ in arrays]).copy())[:, None]  # (N, 1, 28, 28)
         labels = torch.from_numpy(np.concatenate([b for _, b in arrays]).astype(np.int64))
-        return finish(images, labels, 10, image_size=image_size, channels=channels)
+        return finish(images, labels, 10, image_size=image_size, channels=channels, pad=True)
 
 
 # --- CIFAR-10 (Krizhevsky 2009, python pickle batches) --------------------------------------------
