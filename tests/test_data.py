@@ -325,6 +325,23 @@ def test_only_mnist_is_padded_other_small_images_are_resized() -> None:
     assert padded[:, :, :4].eq(0).all() and padded[:, :, 4:36, 4:36].eq(200).all()
 
 
+def test_data_limit_decodes_only_the_images_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.limit=3 on a folder of 12 decoded all 12, then kept 3 (the RAM check had budgeted 3): a smoke run on a
+    large folder decoded all of it, and could run out of memory after the check passed."""
+    from ddpm.data import sources
+
+    for i in range(12):
+        save(tmp_path / "imgs" / f"c{i % 2}" / f"{i:02d}.png", np.full((8, 8, 3), i, dtype=np.uint8))
+    opened = []
+    monkeypatch.setattr(sources, "open_image", lambda path, *a, _open=sources.open_image, **k: opened.append(path)
+                        or _open(path, *a, **k))  # fmt: skip
+    dm = RAMDataModule(source=ImageFolderSource(root=str(tmp_path / "imgs")), image_size=8, channels=3, batch_size=1,
+                       limit=3, val_size=1)  # fmt: skip
+    dm.setup("fit")
+    assert len(opened) == 3 and dm.data.images[:, 0, 0, 0].tolist() == [0, 2, 4]  # the first 3 files (class c0)
+    assert dm.data.num_classes == 2 and dm._images(3) == "3 images (data.limit=3 of 12)"
+
+
 def test_image_folder_refuses_an_empty_class_and_skips_hidden_files(tmp_path: Path) -> None:
     """An empty class folder was skipped, so every later folder took the label of the one before ('2' read as
     class 1) without a word; hidden files under a class folder (Jupyter's checkpoints, macOS's ._ files) were read
@@ -359,9 +376,10 @@ class RowSource:
     def count(self) -> int:
         return self.n
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
-        images = torch.arange(self.n).to(self.dtype).view(-1, 1, 1, 1).expand(-1, 1, image_size, image_size)
-        return ImageSet(images.contiguous(), torch.arange(self.n) % 10, 10)
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
+        n = self.n if limit is None else min(limit, self.n)
+        images = torch.arange(n).to(self.dtype).view(-1, 1, 1, 1).expand(-1, 1, image_size, image_size)
+        return ImageSet(images.contiguous(), torch.arange(n) % 10, 10)
 
 
 def make_dm(**kwargs) -> RAMDataModule:

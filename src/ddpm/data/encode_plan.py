@@ -139,8 +139,9 @@ def images_of(data: dict[str, Any], vae: VAE) -> tuple[RAMImages | StreamImages,
     if isinstance(datamodule, RAMDataModule):
         datamodule.prepare_data()
         datamodule._check_ram()
-        loaded = datamodule.source.load(image_size=datamodule.image_size, channels=datamodule.channels)
-        images, labels = loaded.images[: datamodule.limit], loaded.labels[: datamodule.limit]
+        loaded = datamodule.source.load(image_size=datamodule.image_size, channels=datamodule.channels,
+                                        limit=datamodule.limit)  # fmt: skip
+        images, labels = loaded.images, loaded.labels
         validate_image_set(loaded, image_size=datamodule.image_size)
         labels = labels if loaded.num_classes is not None else torch.full_like(labels, -1)
         return RAMImages(images.contiguous(), labels, loaded.num_classes), data

@@ -149,10 +149,8 @@ class RAMDataModule(ScaleOnDevice):
 
     def _load(self) -> None:
         self._check_ram()
-        data = self.source.load(image_size=self.image_size, channels=self.channels)
-        self.loaded = len(data.images)  # before data.limit
-        if self.limit is not None:
-            data = ImageSet(data.images[: self.limit], data.labels[: self.limit], data.num_classes, data.class_names)
+        data = self.source.load(image_size=self.image_size, channels=self.channels, limit=self.limit)  # only those
+        self.loaded = len(data.images) if self.limit is None else self.source.count()  # the source's, before the limit
         validate_image_set(data, image_size=self.image_size)
         data.images.share_memory_()  # workers see this storage, no copies (fork or spawn)
         data.labels.share_memory_()

@@ -34,7 +34,7 @@ class Source(Protocol):
 
     def files(self) -> list[Path]: ...  # the files the images are read from (what cached statistics depend on)
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet: ...
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet: ...  # first N
 
 
 # --- argument checks: each refusal names the key the user sets (data.<arg>, data.source.<arg>) ---------------
@@ -62,9 +62,11 @@ def require_image_size(key: str, value: Any) -> None:
 
 
 def finish(
-    images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None, pad: bool = False
-) -> ImageSet:
-    """Square uint8 images at image_size (MNIST's padded: `pad`) with `channels`, and their labels."""
+    images: Tensor, labels: Tensor, num_classes: int | None, *, image_size: int, channels: int | None,
+    pad: bool = False, limit: int | None = None,
+) -> ImageSet:  # fmt: skip
+    """The first `limit` (None: all) square uint8 images at image_size (MNIST's padded: `pad`) with `channels`."""
+    images, labels = images[:limit], labels[:limit]
     images = convert_channels(fit_to_size(images, image_size, pad=pad), channels)
     return ImageSet(images=images.contiguous(), labels=labels.long(), num_classes=num_classes)
 
@@ -94,13 +96,13 @@ class DigitsSource:
     def files(self) -> list[Path]:
         return []  # scikit-learn's own copy
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
         from sklearn.datasets import load_digits
 
         digits = load_digits()
         grey = torch.from_numpy(digits.images).float().mul(255.0 / 16.0).round().to(torch.uint8)  # (N, 8, 8)
         labels = torch.from_numpy(digits.target)
-        return finish(grey[:, None], labels, 10, image_size=image_size, channels=channels)
+        return finish(grey[:, None], labels, 10, image_size=image_size, channels=channels, limit=limit)
 
 
 # --- MNIST (IDX files, LeCun et al.) -------------------------------------------------------------
@@ -163,14 +165,14 @@ class MNISTSource:
     def files(self) -> list[Path]:
         return [path for pair in self._files() for path in pair]
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
         arrays = [(read_idx(images), read_idx(labels)) for images, labels in self._files()]
         for (images, labels), (path, _) in zip(arrays, self._files(), strict=True):
             if images.ndim != 3 or len(images) != len(labels):
                 raise ValueError(f"{path}: {images.shape} images for {len(labels)} labels; not an MNIST pair")
         images = torch.from_numpy(np.concatenate([a for a, _ in arrays]).copy())[:, None]  # (N, 1, 28, 28)
         labels = torch.from_numpy(np.concatenate([b for _, b in arrays]).astype(np.int64))
-        return finish(images, labels, 10, image_size=image_size, channels=channels, pad=True)
+        return finish(images, labels, 10, image_size=image_size, channels=channels, pad=True, limit=limit)
 
 
 # --- CIFAR-10 (Krizhevsky 2009, python pickle batches) --------------------------------------------
@@ -214,7 +216,7 @@ class CIFAR10Source:
     def files(self) -> list[Path]:
         return self._batches()
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
         images, labels = [], []
         for path in self._batches():
             with path.open("rb") as f:
@@ -227,7 +229,8 @@ class CIFAR10Source:
             images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             labels.append(np.asarray(batch["labels"], dtype=np.int64))
         tensor = torch.from_numpy(np.concatenate(images))
-        return finish(tensor, torch.from_numpy(np.concatenate(labels)), 10, image_size=image_size, channels=channels)
+        labels = torch.from_numpy(np.concatenate(labels))
+        return finish(tensor, labels, 10, image_size=image_size, channels=channels, limit=limit)
 
 
 # --- A folder of images, one sub-folder per class --------------------------------------------------
@@ -289,14 +292,14 @@ class ImageFolderSource:
     def files(self) -> list[Path]:
         return [path for path, _ in self._files()]
 
-    def load(self, *, image_size: int, channels: int | None) -> ImageSet:
+    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
         mode = "L" if channels == 1 else "RGB"
-        files = self._files()
+        files = self._files()[:limit]  # only these are decoded
         images = torch.empty(len(files), 1 if mode == "L" else 3, image_size, image_size, dtype=torch.uint8)
         for i, (path, _) in enumerate(files):
             image = open_image(path, mode, name=str(path), max_pixels=self.max_pixels, setting=self.setting)
             images[i] = centre_crop(image, image_size)
         labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
-        num_classes = len({label for _, label in files}) if self.conditional else None
+        num_classes = len(self._classes()) if self.conditional else None  # every class folder holds images
         names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
         return ImageSet(images=images, labels=labels.long(), num_classes=num_classes, class_names=names)
