@@ -74,6 +74,7 @@ def damaged_copies(mnist_root: Path, folder: Path) -> dict[str, Path]:
         "bad magic in gzip": (f"{LABELS}-magic.gz", gzip.compress(b"PK\x03\x04" + plain[4:])),
         "not gzip but .gz": (f"{LABELS}-plain.gz", plain),
         "empty": (f"{LABELS}-empty", b""),
+        "data too long": (f"{LABELS}-long", plain + b"\x00" * 8),
     }
     paths = {}
     for what, (name, content) in files.items():
@@ -92,6 +93,7 @@ def damaged_copies(mnist_root: Path, folder: Path) -> dict[str, Path]:
         "bad magic in gzip",
         "not gzip but .gz",
         "empty",
+        "data too long",
     ],
 )
 def test_read_idx_rejects_a_damaged_file_naming_it(mnist_root: Path, tmp_path: Path, what: str) -> None:
@@ -99,6 +101,8 @@ def test_read_idx_rejects_a_damaged_file_naming_it(mnist_root: Path, tmp_path: P
     with pytest.raises(ValueError, match=re.escape(str(path))) as info:
         read_idx(path)
     assert "re-download" in str(info.value)
+    if what == "data too long":
+        assert "truncated" not in str(info.value) and "longer than its header says" in str(info.value)
 
 
 # --- MNISTSource -------------------------------------------------------------------------------------
@@ -149,6 +153,32 @@ def test_mnist_source_without_mnist_files_names_them_and_download(tmp_path: Path
         MNISTSource(root=str(tmp_path), split="train").count()
     with pytest.raises(FileNotFoundError, match=r"data\.source\.download"):
         MNISTSource(root=str(tmp_path), split="all").count()
+
+
+def test_download_fetches_every_missing_split_and_data_root_as_a_file_is_named(
+    tmp_path: Path, mnist_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """download=true with the test pair present fetched nothing (split=all then refused, naming download=true, which
+    was set); a partly extracted CIFAR folder counted as there. A data.root that is a file "does not exist"."""
+    import torchvision.datasets
+
+    fetched = []
+    monkeypatch.setattr(torchvision.datasets, "MNIST", lambda root, train, download: fetched.append(("mnist", train)))
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", lambda root, train, download: fetched.append(("cifar", root)))
+    for name in (IMAGES, LABELS):
+        shutil.copy(mnist_root / f"{name}.gz", tmp_path)
+    MNISTSource(root=str(tmp_path), split="test", download=True).prepare()
+    MNISTSource(root=str(tmp_path), split="all", download=True).prepare()
+    (tmp_path / "cifar" / "cifar-10-batches-py").mkdir(parents=True)
+    (tmp_path / "cifar" / "cifar-10-batches-py" / "test_batch").write_bytes(b"x")
+    CIFAR10Source(root=str(tmp_path / "cifar"), download=True).prepare()
+    assert fetched == [("mnist", True), ("cifar", str(tmp_path / "cifar"))]  # the train pair only; the archive
+    for source in (
+        MNISTSource(root=str(mnist_root / f"{IMAGES}.gz")),
+        CIFAR10Source(root=str(mnist_root / f"{IMAGES}.gz")),
+    ):
+        with pytest.raises(FileNotFoundError, match=r"is a file, not a folder; point data\.root at the folder"):
+            source.count()
 
 
 # --- DigitsSource ------------------------------------------------------------------------------------

@@ -84,6 +84,15 @@ def test_make_shards_cli_writes_the_source_images(tmp_path: Path, capsys):
     torch.testing.assert_close(labels, expected.labels, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_make_shards_refuses_a_limit_below_one(tmp_path: Path, limit: str, capsys) -> None:
+    """--limit 0 loaded everything, then failed with an IndexError; a negative limit dropped the last samples."""
+    with pytest.raises(SystemExit) as info:
+        make_shards(["digits", str(tmp_path / "out"), f"--limit={limit}"])
+    assert info.value.code == 2 and f"{limit!r} is not a count >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("num_shards", [8, 3])
 def test_two_ranks_two_workers_see_disjoint_parts_whose_union_is_all(tmp_path: Path, num_shards: int):
     """2 ranks x 2 workers: every sample is seen by exactly one (rank, worker), with 8 shards and with 3 (< 4 slots)."""

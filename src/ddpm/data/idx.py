@@ -44,5 +44,6 @@ def read_idx(path: Path) -> np.ndarray:
     dtype = np.dtype(_IDX_DTYPES[code])
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(data) != expected:
-        raise ValueError(f"{path} is truncated: {len(data)} bytes of data, the header says {expected}; re-download")
+        state = "truncated" if len(data) < expected else "longer than its header says (not an IDX file, or damaged)"
+        raise ValueError(f"{path} is {state}: {len(data)} bytes of data, the header says {expected}; re-download")
     return np.frombuffer(data, dtype=dtype).reshape(shape)

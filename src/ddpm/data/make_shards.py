@@ -54,6 +54,13 @@ def parse_source(spec: str, max_pixels: int | None = PILLOW_MAX_PIXELS) -> Sourc
     return SOURCES[name](root or None, max_pixels)
 
 
+def count(text: str) -> int:
+    """--limit: a count >= 1 (0 wrote nothing but crashed; a negative one dropped the last samples)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count >= 1")
+    return int(text)
+
+
 def pixel_count(text: str) -> int | None:
     """--max-pixels: a count >= 1, or null / none for no limit."""
     if text.lower() in ("null", "none"):
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar file")
     parser.add_argument("--image-size", type=int, default=32, help="H = W of the stored images")
     parser.add_argument("--channels", type=int, choices=(1, 3), default=None, help="1 or 3; default: the source's")
-    parser.add_argument("--limit", type=int, default=None, help="write only the first N samples (after shuffling)")
+    parser.add_argument("--limit", type=count, default=None, help="write only the first N samples (after shuffling)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle before sharding")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the source's order")
     parser.add_argument("--max-pixels", type=pixel_count, default=PILLOW_MAX_PIXELS,

@@ -71,11 +71,24 @@ def finish(
     return ImageSet(images=images.contiguous(), labels=labels.long(), num_classes=num_classes)
 
 
+def download_dir(root: str | None, what: str) -> Path:
+    """data.root as the folder a download goes into (created; unset or a file refused, naming the key)."""
+    if root is None or str(root) == "":
+        raise FileNotFoundError(f"data.root is not set; point it at the folder to download {what} into")
+    folder = Path(root).expanduser()
+    if not folder.exists():
+        folder.mkdir(parents=True)
+    return require_dir(root, what, "data.source.download=true downloads into it")
+
+
 def require_dir(root: str | Path | None, what: str, fix: str) -> Path:
     """The dataset directory, or an error that says which value to set."""
     if root is None or str(root) == "":
         raise FileNotFoundError(f"data.root is not set; point it at {what} ({fix})")
     path = Path(root).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FileNotFoundError(f"data.root={root} is a file, not a folder; point data.root at the folder holding "
+                                f"{what} ({fix})")  # fmt: skip
     if not path.is_dir():
         raise FileNotFoundError(f"data.root={root} does not exist (resolved: {path.resolve()}); {fix}")
     if not any(path.iterdir()):
@@ -134,24 +147,31 @@ class MNISTSource:
                 "'auto', 'train', 'test' or 'all'")  # fmt: skip
 
     def prepare(self) -> None:
-        if self.download and not self._files(quiet=True):
-            from torchvision.datasets import MNIST
+        """With download=true, fetch each wanted split (auto and all: both) whose two files are not under root (a
+        folder holding only the test pair fetched nothing, then split=all refused it naming download=true)."""
+        if not self.download or not (missing := self._missing()):
+            return
+        from torchvision.datasets import MNIST
 
-            Path(self.root or "data/mnist").mkdir(parents=True, exist_ok=True)
-            for train in (True, False):
-                MNIST(str(self.root), train=train, download=True)
+        root = download_dir(self.root, "MNIST")
+        for split in missing:
+            MNIST(str(root), train=split == "train", download=True)
 
-    def _files(self, quiet: bool = False) -> list[tuple[Path, Path]]:
-        if quiet and (self.root is None or not Path(self.root).is_dir()):
-            return []
+    def _missing(self) -> list[str]:
+        root = Path(self.root).expanduser() if self.root else None
+        wanted = ["train", "test"] if self.split in ("auto", "all") else [self.split]
+        have = lambda split: root is not None and all(find_idx(root, stem) for stem in _MNIST_FILES[split])  # noqa: E731
+        return [split for split in wanted if not have(split)]
+
+    def _files(self) -> list[tuple[Path, Path]]:
         root = require_dir(self.root, "the MNIST IDX files", "set data.root=... or data.source.download=true")
         found = {s: [find_idx(root, stem) for stem in stems] for s, stems in _MNIST_FILES.items()}
         complete = {s: tuple(p) for s, p in found.items() if all(p)}
         wanted = {"auto": ["train", "test"], "all": ["train", "test"]}.get(self.split, [self.split])
         pairs = [complete[s] for s in wanted if s in complete]
-        if self.split == "all" and len(pairs) < 2 and not quiet:
+        if self.split == "all" and len(pairs) < 2:
             pairs = []
-        if not pairs and not quiet:
+        if not pairs:
             names = ", ".join(f"{a}[.gz] + {b}[.gz]" for a, b in (_MNIST_FILES[s] for s in wanted))
             raise FileNotFoundError(
                 f"data.root={self.root} has no MNIST {self.split} files (looked for {names}); "
@@ -192,11 +212,13 @@ class CIFAR10Source:
         require("data.source.split", self.split, lambda v: v in ("train", "test", "all"), "'train', 'test' or 'all'")
 
     def prepare(self) -> None:
-        if self.download and not (Path(self.root or ".") / _CIFAR_DIR).is_dir():
+        """With download=true, fetch the archive unless every batch file is there (a partly extracted folder)."""
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        folder = Path(self.root).expanduser() / _CIFAR_DIR if self.root else None
+        if self.download and (folder is None or not all((folder / name).is_file() for name in names)):
             from torchvision.datasets import CIFAR10
 
-            Path(str(self.root)).mkdir(parents=True, exist_ok=True)
-            CIFAR10(str(self.root), train=True, download=True)
+            CIFAR10(str(download_dir(self.root, f"{_CIFAR_DIR}/")), train=True, download=True)
 
     def _batches(self) -> list[Path]:
         root = require_dir(self.root, f"{_CIFAR_DIR}/", "set data.root=... or data.source.download=true")
