@@ -79,3 +79,28 @@ def test_logs_this_step_outside_a_trainer_is_true() -> None:
     module.log = lambda name, *args, **kwargs: logged_keys.append(name)  # type: ignore[method-assign]
     module.training_step((x0, torch.zeros(2, dtype=torch.long)), 0)  # no Trainer attached: logs as before
     assert logged_keys == ["train/loss"]
+
+
+def test_images_per_sec_leaves_out_a_sample_grid_or_fid_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 10 images, 1 s each; a grid drawn at a batch's end (9 s, inside off_the_clock) made the next
+    logged train/images_per_sec read 20 images / 11 s instead of 10/s (about 10x low at a grid step in real runs)."""
+    from types import SimpleNamespace
+
+    from ddpm.callbacks.monitor import off_the_clock
+
+    clock = [0.0]
+    monkeypatch.setattr(ddpm.callbacks.monitor.time, "perf_counter", lambda: clock[0])
+    trainer = SimpleNamespace(
+        world_size=1, fast_dev_run=False, _logger_connector=SimpleNamespace(should_update_logs=True)
+    )
+    rates: list[float] = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: rates.append(value), device=torch.device("cpu"))
+    monitor = Monitor(window=2, grad_norm=False)
+    batch = (torch.zeros(10, 1, 2, 2), torch.zeros(10))
+    for index in range(5):
+        monitor.on_train_batch_end(trainer, module, None, batch, index)  # type: ignore[arg-type]
+        if index == 2:
+            with off_the_clock(trainer):  # type: ignore[arg-type]
+                clock[0] += 9.0
+        clock[0] += 1.0
+    assert rates == [10.0] * 4

@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from ddpm.callbacks.monitor import off_the_clock
 from ddpm.callbacks.sample_grid import sample_with_ema
 from ddpm.diffusion.generate import class_cycle
 from ddpm.diffusion.network import SamplingPrecision
@@ -79,7 +80,9 @@ class FID(Callback):
         step = trainer.global_step
         if step != self.last_step and step % self.every_n_steps == 0:
             self.last_step = step
-            for name, value in self.evaluate(trainer, pl_module).items():
+            with off_the_clock(trainer):
+                metrics = self.evaluate(trainer, pl_module)
+            for name, value in metrics.items():
                 pl_module.log(f"val/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.monitor import off_the_clock
 from ddpm.diffusion.generate import Generated, class_cycle, denoiser_for, generate
 from ddpm.diffusion.network import SamplingPrecision
 from ddpm.diffusion.samplers.base import Sampler, decoded
@@ -78,7 +79,8 @@ class StepGrid(Callback):
         step = trainer.global_step  # under gradient accumulation, the batches before a step end at the last step
         if self.every_n_steps and step != self.last_step and step % self.every_n_steps == 0:
             self.last_step = step
-            self.save(trainer, pl_module)
+            with off_the_clock(trainer):
+                self.save(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_end and trainer.global_step != self.last_step:
