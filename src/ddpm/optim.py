@@ -31,7 +31,7 @@ class AdamW:
     scaling: ScalingRule = "none"  # LR scaling rule from base_batch_size to the global batch
     base_batch_size: int = 64  # the batch size `lr` was tuned at
     decay: Decay = (
-        "none"  # after warm-up: none (constant LR), cosine or linear down to min_lr_ratio x lr at the last step
+        "none"  # after warm-up: none (constant LR), cosine or linear down to min_lr_ratio x lr at max_steps
     )
     min_lr_ratio: float = 0.0  # the LR the decay ends at, as a fraction of lr
 
