@@ -34,6 +34,21 @@ def test_estimate_counts_parameters_and_scales_activations_with_the_batch():
     assert 1.9 < ratio < 2.1, ratio
 
 
+def test_bf16_weight_copies_are_counted_once_not_per_image():
+    """Under bf16-mixed autocast saves a bf16 copy of each weight for backward, once whatever the batch: scaling
+    the whole measurement by batch / measure_batch counted it that many times (the estimate fell as measure_batch
+    grew). Truth: the estimate does not depend on measure_batch."""
+    torch.manual_seed(0)
+    net = tiny_unet()
+
+    def loss(model, x, y):
+        return model(x, torch.zeros(len(x), dtype=torch.long)).square().mean()
+
+    sizes = [estimate(net, loss, batch_size=64, image_shape=(1, 8, 8), num_classes=None, measure_batch=m,
+                      precision="bf16-mixed")["activations"] for m in (1, 2, 4)]  # fmt: skip
+    assert max(sizes) - min(sizes) <= 0.001 * max(sizes), sizes
+
+
 def test_cli_prints_the_breakdown():
     """`python -m ddpm.memory model=unet_tiny data.batch_size=32` prints every line of the estimate."""
     result = run("python", "-m", "ddpm.memory", "model=unet_tiny", "data.batch_size=32", "--measure-batch", "2",

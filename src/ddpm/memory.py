@@ -4,8 +4,9 @@
 
 Parameters, gradients and optimizer state are counted from the model (AdamW: two float32 moments per
 parameter). Activations are measured, not guessed: one real forward + backward of the diffusion loss at a
-small batch (`--measure-batch`), summing the bytes autograd saves for backward (saved_tensors_hooks, each
-storage once, parameters excluded), scaled linearly to data.batch_size. The total leaves out the CUDA
+small batch (`--measure-batch`) and at twice it, summing the bytes autograd saves for backward (saved_tensors_hooks,
+each storage once, parameters excluded): the part that grows with the batch is scaled to data.batch_size, the rest
+(autocast's low-precision copies of the weights) counted once. The total leaves out the CUDA
 context, allocator fragmentation and temporaries of backward (allow ~20-30% more on a GPU).
 """
 
@@ -59,17 +60,25 @@ def estimate(
     """Bytes of parameters, gradients, optimizer state and activations (measured at `measure_batch`, scaled)."""
     params = [p for p in net.parameters() if p.requires_grad]
     net = net.to(device).train()
-    n = min(measure_batch, batch_size)
-    x = torch.randn(n, *image_shape, device=device)
-    y = torch.randint(0, num_classes, (n,), device=device) if num_classes else None
     dtype = AUTOCAST.get(str(precision))
     device_type = torch.device(device).type
 
-    def step() -> Tensor:
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
-            return loss_fn(net, x, y)
+    def saved(n: int) -> int:
+        x = torch.randn(n, *image_shape, device=device)
+        y = torch.randint(0, num_classes, (n,), device=device) if num_classes else None
 
-    activations = saved_tensor_bytes(step, exclude=list(net.parameters())) * batch_size / n
+        def step() -> Tensor:
+            with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+                return loss_fn(net, x, y)
+
+        return saved_tensor_bytes(step, exclude=list(net.parameters()))
+
+    # Saved bytes = fixed + per_image x batch: autocast saves each weight's low-precision copy once, whatever the
+    # batch; scaling the whole measurement counted those copies batch_size / n times.
+    n = min(measure_batch, batch_size)
+    one, two = saved(n), saved(2 * n)
+    per_image = (two - one) / n
+    activations = max(0.0, one - per_image * n) + per_image * batch_size
     net.zero_grad(set_to_none=True)
     parameter_bytes = tensor_bytes(params)
     return {
