@@ -268,3 +268,18 @@ def test_a_resume_with_a_longer_max_steps_follows_its_own_decay_from_the_first_s
     schedule = AdamW(lr=1e-3, warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
     assert lr == pytest.approx({s: 1e-3 * schedule.lr_factor(s, 10) for s in range(5, 10)})
     assert [int(r["step"]) for r in rows if r.get("optim/lr_scaled")] == [5]
+
+
+@pytest.mark.parametrize(("saved", "world"), [(1, 2), (2, 1)])
+def test_a_resume_at_another_world_size_says_the_rng_streams_are_not_the_originals(saved: int, world: int) -> None:
+    """Rank 0 restores its own state and says nothing while the other ranks took a warning branch that
+    rank_zero_warn silences there: growing 1 -> 2 ranks (and shrinking 2 -> 1) resumed without the warning."""
+    from types import SimpleNamespace
+
+    from ddpm.callbacks.rng import RNGState, collect
+
+    callback = RNGState(seed=0)
+    callback.load_state_dict({"per_rank": [collect()] * saved})
+    with pytest.warns(UserWarning, match=rf"RNG states for {saved} rank\(s\), this run has {world}; .*bit-for-bit"):
+        callback.on_train_start(SimpleNamespace(global_rank=0, world_size=world), None)  # type: ignore[arg-type]
+    assert callback.snapshot is not None  # rank 0's own state restored all the same

@@ -82,12 +82,12 @@ class RNGState(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.loaded is None:
             return
-        if trainer.global_rank >= len(self.loaded) or self.loaded[trainer.global_rank] is None:
+        if len(self.loaded) != trainer.world_size:  # decided alike on every rank: rank 0 says it (it had a state)
             rank_zero_warn(
                 f"the checkpoint holds RNG states for {len(self.loaded)} rank(s), this run has {trainer.world_size}; "
                 "training goes on, but not bit-for-bit as the original run would have"
             )
-        else:
+        if trainer.global_rank < len(self.loaded) and self.loaded[trainer.global_rank] is not None:
             self.snapshot = self.loaded[trainer.global_rank]
             restore(self.snapshot)  # type: ignore[arg-type]
         self.loaded = None
