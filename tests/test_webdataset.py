@@ -166,6 +166,19 @@ def test_epochs_shorter_than_a_shard_go_on_where_the_last_one_stopped(tmp_path: 
     assert counts == {digest(image): 2 for image in images}
 
 
+def test_shards_mixing_grey_and_colour_under_channels_null_are_refused_with_the_fix(tmp_path: Path) -> None:
+    """data.channels=null keeps each file's mode: a grey file among colour ones failed in torch.stack ("stack expects
+    each tensor to be equal size"), naming neither the cause nor the setting."""
+    images = torch.full((4, 3, 8, 8), 100, dtype=torch.uint8)
+    (path,) = write_shards(images, torch.zeros(4, dtype=torch.int64), tmp_path / "rgb", samples_per_shard=4)
+    grey = write_shards(images[:1, :1], torch.zeros(1, dtype=torch.int64), tmp_path / "grey", samples_per_shard=1)
+    with pytest.raises(ShardError, match=r"shapes \(3, 8, 8\) and \(1, 8, 8\).*data\.channels=1 or 3"):
+        collect(
+            ShardStream([str(path), str(grey[0])], image_size=8, channels=None, batch_size=5, batches_per_epoch=None)
+        )
+    assert len(collect(stream([str(path), str(grey[0])], batch_size=5))[0]) == 5  # channels=1: converted
+
+
 def test_a_resumed_stream_draws_a_fresh_order_not_the_first_epochs_again(shards):
     """The pass count lives in the DataLoader workers and restarts with them: a resumed run (each SLURM requeue)
     replayed the first epochs' order. The order now also depends on the step the fit starts at."""

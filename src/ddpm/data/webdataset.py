@@ -144,6 +144,9 @@ def batches(items: Iterator[tuple[Tensor, int]], batch_size: int, *, count: int 
     for image, label in items:
         if count is not None and made >= count:
             return
+        if images and image.shape != images[0].shape:  # data.channels=null keeps each file's mode
+            raise ShardError(f"the shards mix images of shapes {tuple(images[0].shape)} and {tuple(image.shape)} "
+                             "(grey and colour files); set data.channels=1 or 3 to convert every image")  # fmt: skip
         images.append(image)
         labels.append(label)
         if len(images) == batch_size:
