@@ -401,6 +401,8 @@ def test_diffusers_made_folder_initialises_our_unet_and_the_diffusers_backbone(m
         assert config["model"]["_target_"] == "ddpm.models.unet.UNet"
         with torch.no_grad():
             assert_same_output(reference(x, t, y), net(x, t, y))
+    spelled = {"_target_": "ddpm.models.unet.UNet", **OUR_EQUIVALENT, "emb_dim": 4 * OUR_EQUIVALENT["base_channels"]}
+    load_init(made_by_diffusers, UNet(**arguments(spelled)), spelled)  # the default spelled out: refused before
     other = {"_target_": "ddpm.models.unet.UNet", **OUR_EQUIVALENT, "base_channels": 8, "num_classes": None}
     with pytest.raises(CheckpointError, match=r"model\.base_channels \(file 16, run 8\).*model\.num_classes"):
         load_init(made_by_diffusers, UNet(**arguments(other)), other)

@@ -299,6 +299,13 @@ def test_load_export_refuses_foreign_or_edited_folders(exports, tmp_path):
     )
     with pytest.raises(CheckpointError, match=r"edited.*prediction_type"):
         load_export(edited)
+    heads = shutil.copytree(exports["eps"], tmp_path / "heads")  # the network is built from unet/config.json
+    config = json.loads((heads / "unet" / "config.json").read_text())
+    (heads / "unet" / "config.json").write_text(json.dumps(config | {"num_heads": 2 * config["num_heads"]}))
+    with pytest.raises(
+        CheckpointError, match=r"\['num_heads'\] disagree with ddpm_config\.json's model; the folder was edited"
+    ):
+        load_export(heads)  # loaded before: a network other than the one its run config reports
 
 
 def test_export_cli_refuses_bad_arguments_and_foreign_folders(exports, tmp_path, capsys):

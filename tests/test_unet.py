@@ -84,8 +84,12 @@ def test_zero_init_outputs_zero():
         ({"image_size": 18, "channel_mult": (1, 2, 2)}, r"image_size=18 is not divisible by 4 \(2\*\*2 "),
         ({"attention_resolutions": (4,)}, r"attention_resolutions=\[4\] has \[4\], which never occur; .* at \[16, 8\]"),
         ({"attention_resolutions": (8, 32)}, r"attention_resolutions=\[8, 32\] has \[32\], which never occur"),
-        ({"num_heads": 3}, r"num_heads=3 does not divide the widths \[16, 32\]"),
-        ({"num_heads": 32}, r"num_heads=32 does not divide the widths \[16\]"),  # divides 32 but not 16
+        ({"num_heads": 3}, r"num_heads=3 does not divide the widths with attention \[32\]"),
+        (
+            {"num_heads": 32, "attention_resolutions": (16,)},
+            r"num_heads=32 does not divide the widths with attention \[16\]",
+        ),
+        ({"num_res_blocks": 0}, r"num_res_blocks=0 must be an integer >= 1"),  # built a network without the deepest
         ({"channel_mult": ()}, r"channel_mult=\[\] needs at least one entry"),
         ({"num_classes": 0}, r"num_classes=0 must be >= 1, or null"),
         ({"dropout": 1.0}, r"dropout=1.0 must be in \[0, 1\)"),
@@ -102,7 +106,7 @@ def test_invalid_arguments_are_refused_in_the_unets_own_words(overrides, refusal
     ("overrides", "refusal"),
     [
         ({"image_size": 18, "channel_mult": [1, 2, 2]}, r"model\.image_size=18 is not divisible by 4"),
-        ({"num_heads": 3}, r"model\.num_heads=3 does not divide the widths \[16, 32\]"),
+        ({"num_heads": 3}, r"model\.num_heads=3 does not divide the widths with attention \[32\]"),
         (
             {"attention_resolutions": [4]},
             r"model\.attention_resolutions=\[4\] has \[4\], which never occur; .* "
@@ -120,6 +124,13 @@ def test_invalid_config_names_key(overrides, refusal):
     cfg = OmegaConf.create({"model": {"_target_": "ddpm.models.unet.UNet", **TINY_UNET, **SIZE_16, **overrides}})
     with pytest.raises(ValueError, match=f"^{refusal}"):
         build(cfg.model)
+
+
+def test_num_heads_need_divide_only_the_widths_with_attention():
+    """Heads split the attention layers' widths only: 32 heads with attention at 8x8 (width 32) and none at 16x16
+    (width 16) build; they were refused, and with them a folder diffusers saved (widths [16, 48], 3 heads)."""
+    net = tiny_unet(**(SIZE_16 | {"num_heads": 32}))
+    assert all(m.num_heads == 32 for m in net.modules() if type(m).__name__ == "Attention")
 
 
 def test_validation_accepts_boundary_config():

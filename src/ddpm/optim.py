@@ -30,9 +30,7 @@ class AdamW:
     warmup_steps: int = 5000  # linear warm-up from 0 over this many optimizer steps; 0 = none
     scaling: ScalingRule = "none"  # LR scaling rule from base_batch_size to the global batch
     base_batch_size: int = 64  # the batch size `lr` was tuned at
-    decay: Decay = (
-        "none"  # after warm-up: none (constant LR), cosine or linear down to min_lr_ratio x lr at max_steps
-    )
+    decay: Decay = "none"  # after warm-up: none (constant LR), cosine or linear down to min_lr_ratio x lr at max_steps
     min_lr_ratio: float = 0.0  # the LR the decay ends at, as a fraction of lr
 
     def __post_init__(self) -> None:

@@ -146,7 +146,7 @@ class DiffusersUNet2D(nn.Module):
         _validate(
             image_size=image_size, base_channels=base_channels, channel_mult=channel_mult, num_heads=num_heads,
             attention_resolutions=attention_resolutions, groups=norm_groups, num_classes=num_classes,
-            dropout=dropout, downsample=[True] * (len(channel_mult) - 1),
+            dropout=dropout, downsample=[True] * (len(channel_mult) - 1), num_res_blocks=num_res_blocks,
         )  # fmt: skip
         self.unet = import_unet2d()(**unet2d_config(arguments))
         zero_init_residual_outputs(self.unet)

@@ -25,8 +25,11 @@ def _validate(
     num_classes: int | None,
     dropout: float,
     downsample: Sequence[bool],
+    num_res_blocks: int,
 ) -> None:
     """Reject configurations that cannot build or cannot run, naming the value to change."""
+    if not isinstance(num_res_blocks, int) or num_res_blocks < 1:  # 0 never reached the deeper widths
+        raise ValueError(f"num_res_blocks={num_res_blocks} must be an integer >= 1 (ResBlocks per level)")
     if not channel_mult or min(channel_mult) < 1:
         raise ValueError(f"channel_mult={list(channel_mult)} needs at least one entry, all >= 1")
     if len(downsample) != len(channel_mult) - 1:
@@ -55,9 +58,10 @@ def _validate(
             f"attention_resolutions={list(attention_resolutions)} has {missing}, which never occur; the UNet runs at "
             f"{resolutions} for image_size={image_size}; pick attention resolutions among those"
         )
-    bad_heads = [w for w in widths if w % num_heads]
+    attended = {base_channels * m for m, r in zip(channel_mult, resolutions, strict=True) if r in attention_resolutions}
+    bad_heads = sorted(w for w in attended | {base_channels * channel_mult[-1]} if w % num_heads)  # + the middle's
     if bad_heads:
-        raise ValueError(f"num_heads={num_heads} does not divide the widths {bad_heads}; use a divisor")
+        raise ValueError(f"num_heads={num_heads} does not divide the widths with attention {bad_heads}; use a divisor")
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"num_classes={num_classes} must be >= 1, or null for an unconditional model")
     if not 0.0 <= dropout < 1.0:
@@ -97,6 +101,7 @@ class UNet(nn.Module):
             num_classes=num_classes,
             dropout=dropout,
             downsample=[True] * (len(channel_mult) - 1) if downsample is None else list(downsample),
+            num_res_blocks=num_res_blocks,
         )
         halve = [True] * (len(channel_mult) - 1) if downsample is None else [bool(d) for d in downsample]
         self.checkpoint_activations = checkpoint_activations

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ddpm.atomic import atomic_folder, tensor_bytes
-from ddpm.models.diffusers_unet import NotUNet2D
+from ddpm.models.diffusers_unet import UNET_DEFAULTS, NotUNet2D
 from ddpm.models.unet import UNet
 from ddpm.weights.diffusers_files import (
     RUN_CONFIG,
@@ -227,6 +227,18 @@ def load_export(folder: str | os.PathLike, device: torch.device | str = "cpu") -
         config = read_json(folder / RUN_CONFIG, folder)
         if not isinstance(config, dict):
             raise CheckpointError(f"{folder / RUN_CONFIG} has no diffusion section; re-export")
+        try:
+            expected = json.loads(json.dumps(unet_arguments(dict(config.get("model") or {}))))
+        except ValueError as error:
+            raise CheckpointError(f"{folder / RUN_CONFIG}: {error}; re-export with python -m ddpm.export") from error
+        defaults = json.loads(json.dumps({k: v for k, v in UNET_DEFAULTS.items() if k in UNET_ARGS}))
+        expected, found = {**defaults, **expected}, {**defaults, **arguments}  # export fills in the defaults
+        differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        if differ:  # the network is built from unet/config.json, the run config reported from ddpm_config.json
+            raise CheckpointError(
+                f"{folder}: unet/config.json's {differ} disagree with {RUN_CONFIG}'s model; the folder was edited; "
+                "re-export with python -m ddpm.export"
+            )
     elif unet_config.get("edm_sigma_data") is not None:
         raise CheckpointError(
             f"{folder} holds an EDM model (unet/config.json: edm_sigma_data) but lacks {RUN_CONFIG}, which names its "
