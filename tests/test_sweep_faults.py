@@ -93,10 +93,12 @@ def test_a_sweep_stopped_by_its_sweeper_prints_the_table_at_exit(tmp_path: Path,
 
 @pytest.mark.slow
 def test_a_grid_sweep_with_failed_jobs_records_them_writes_the_summary_and_exits_1(tmp_path: Path) -> None:
-    """The issue's `optim.lr=-1,1e-3`, and a job that diverges mid-training, before the good job."""
+    """The issue's `optim.lr=-1,1e-3`, and a job that diverges mid-training, before the good job. With W&B (offline)
+    each job has its own run: the diverged job's stayed open, and the next job logged into it."""
     sweep = tmp_path / "sweep"
     result = train("-m", *TINY_SWEEP, f"optim.lr={DIVERGING_LR},-1,1e-3", f"hydra.sweep.dir={sweep}",
-                   check=False, extra_env=wandb_dirs(tmp_path))  # fmt: skip
+                   "logger=[csv,wandb]", "logger.wandb.mode=offline", check=False,
+                   extra_env=wandb_dirs(tmp_path))  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]  # documented: a sweep with a failed job exits 1
     rows = {r["job"]: r for r in read_summary(sweep)}
     assert [r["job"] for r in read_summary(sweep)] == ["2", "0", "1"]  # the completed job first
@@ -106,6 +108,7 @@ def test_a_grid_sweep_with_failed_jobs_records_them_writes_the_summary_and_exits
     assert [(sweep / job / "ema.pt").is_file() for job in "012"] == [False, False, True]
     assert "NonFiniteLossError" in json.loads((sweep / "0" / "result.json").read_text())["traceback"]
     assert "Sweep summary" in result.stdout and "2 of 3 jobs failed (0, 1)" in result.stdout
+    assert [len(list((sweep / job / "wandb").glob("offline-run-*"))) for job in "02"] == [1, 1]
 
 
 class ScriptedLauncher:

@@ -60,13 +60,14 @@ def name_wandb_run(cfg: DictConfig) -> None:
             node.group = str(hydra.sweep.dir)  # every job of one sweep shares it
 
 
-def finish_wandb(loggers: list[Any]) -> None:
-    """Close the W&B run, so the next job of an in-process multirun starts its own (WandbLogger does not)."""
+def finish_wandb(loggers: list[Any], exit_code: int | None = None) -> None:
+    """Close the W&B run (`exit_code` 1: marked failed), so the next job of an in-process multirun starts its own
+    (WandbLogger does not)."""
     from lightning.pytorch.loggers import WandbLogger
 
     for logger in loggers:
         if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger.experiment.finish()
+            logger.experiment.finish(exit_code=exit_code)
 
 
 def check_objective(resolved: dict[str, Any]) -> None:

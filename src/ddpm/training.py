@@ -244,8 +244,12 @@ def train(cfg: DictConfig) -> float | None:
         if before is not None:  # world size, global batch and LR before/after, in resume_diff.yaml
             record_world(output_dir, before, world_of(trainer, getattr(datamodule, "batch_size", 0), optim.scaled_lr))
     joining = explain_join_failure(world_size=trainer.world_size, num_nodes=trainer.num_nodes, seconds=timeout)
-    with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except BaseException:  # a failed job's W&B run too: the next job of the multirun would log into it
+        finish_wandb(trainer.loggers, exit_code=1)
+        raise
     finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
     check_trained(trainer, start_step)  # before anything is exported
 
