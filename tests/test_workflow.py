@@ -108,6 +108,7 @@ def test_optuna_sweep_runs_two_trials_into_sqlite(tmp_path: Path) -> None:
           "callbacks.sample_grid=null", extra_env=wandb_dirs(tmp_path))  # fmt: skip
     study = optuna.load_study(study_name="ddpm", storage=f"sqlite:///{sweep}/optuna.db")
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert study.trials[2].params != study.trials[0].params  # not the seeded sampler's first draw again (a replay)
     assert len(list(sweep.glob("*/config.yaml"))) == 3
     assert len((sweep / "summary.csv").read_text().splitlines()) == 1 + 3
 

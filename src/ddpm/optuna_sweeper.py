@@ -102,6 +102,9 @@ class CappedStudy(OptunaSweeperImpl):
         study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                     directions=self._get_directions(), load_if_exists=True)  # fmt: skip
         log.info(f"Study {study.study_name} in {self.storage}, sampler {type(self.sampler).__name__}")
+        if study.trials and not grid:  # a continued study: its seeded sampler would draw the first run's trials again
+            study.sampler.reseed_rng()
+            log.info(f"Continuing after {len(study.trials)} trials: the sampler is reseeded (new draws, not a replay)")
         return study, space, fixed
 
     @staticmethod
