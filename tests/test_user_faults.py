@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from ddpm.atomic import WriteError, atomic_save
 from ddpm.config import UnknownKeyError, validate_config
 from ddpm.config.overrides import misspelled
+from ddpm.config.validate import ConfigValueError
 from ddpm.diffusion.generate import NonFiniteSamplesError, generate
 from ddpm.diffusion.samplers.ddim import DDIMSampler
 from ddpm.diffusion.schedule import linear_betas
@@ -85,6 +86,8 @@ def test_encode_refuses_a_misspelled_key_in_two_lines_naming_the_key_meant(tmp_p
         ("+trainer.max_step=10", "trainer.max_step", "trainer.max_steps"),  # Lightning's own arguments
         ("+callbacks.checkpoint.every_n_steps=5", "callbacks.checkpoint.every_n_steps", "every_n_train_steps"),
         ("+ema.decay_rate=0.9", "ema.decay_rate", "ema.decay"),
+        ("+paths.outptu_dir=x", "paths.outptu_dir", "paths.output_dir"),  # entry sections (typing_extensions'
+        ("+tune.aply=true", "tune.aply", "tune.apply"),  # TypedDict, which typing.is_typeddict did not see)
     ],
 )
 def test_unknown_keys_are_refused_with_the_closest_known_key(override: str, named: str, closest: str) -> None:
@@ -95,6 +98,8 @@ def test_unknown_keys_are_refused_with_the_closest_known_key(override: str, name
 
 
 def test_sample_py_keys_are_checked_the_same_way() -> None:
+    with pytest.raises(ConfigValueError, match=r"metrics\.batch_size=0 is not valid"):  # named, not "metrics={...}"
+        validate_config(composed("metrics.batch_size=0", name="sample"), entry="sample")
     with pytest.raises(UnknownKeyError, match=r"guidance_scale: did you mean guidance\?"):
         validate_config(composed("+guidance_scale=3", name="sample"), entry="sample")
     with pytest.raises(UnknownKeyError, match=r"sampler\.stepz: did you mean sampler\.steps\?"):

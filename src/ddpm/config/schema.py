@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
+import typing_extensions
 from pydantic import ConfigDict, TypeAdapter
 from typing_extensions import TypedDict
 
@@ -115,6 +116,6 @@ def _mapping_fields(hint: Any) -> dict[str, Any]:
     if isinstance(hint, dict):
         return hint
     for option in typing.get_args(hint) or (hint,):
-        if typing.is_typeddict(option):
+        if typing_extensions.is_typeddict(option):  # typing.is_typeddict is False for typing_extensions.TypedDict
             return typing.get_type_hints(option)
     return {}
