@@ -62,6 +62,10 @@ def test_misspelled_overrides_are_named_with_the_key_meant() -> None:
     assert misspelled("sample", ["guidnace=3"]) == {"guidnace": "did you mean guidance? (set it with guidance=...)"}
     assert misspelled("train", ["experiment=mnist", "optim.lr=1e-3,2e-3", "+optim.lrr=1"]) == {}  # composes
     assert misspelled("train", ["model=unet_mnst", "optim.lrr=1"]) == {}  # a missing option: Hydra lists the options
+    # an argument the config does not list: how to set it, not the nearest listed key (the run's seed)
+    assert misspelled("train", ["callbacks.sample_grid.seed=1"]) == {"callbacks.sample_grid.seed": (
+        "an argument of ddpm.callbacks.sample_grid.SampleGrid that this config does not list; set it with "
+        "+callbacks.sample_grid.seed=...")}  # fmt: skip
 
 
 def test_encode_refuses_a_misspelled_key_in_two_lines_naming_the_key_meant(tmp_path: Path) -> None:

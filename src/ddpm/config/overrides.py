@@ -34,8 +34,24 @@ def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) ->
                     return {}  # another problem (a group option that does not exist ...): Hydra's message says it
                 bad.append(key)
                 kept = [line for line in kept if line not in named]
-    known = _keys(OmegaConf.to_container(cfg, resolve=False))
-    return {key: suggest(key, known) for key in bad}
+    container = OmegaConf.to_container(cfg, resolve=False)
+    known = _keys(container)
+    return {key: _argument_hint(key, container) or suggest(key, known) for key in bad}
+
+
+def _argument_hint(key: str, config: dict) -> str | None:
+    """For an argument of its node's `_target_` that the config leaves out (callbacks.sample_grid.seed,
+    trainer.max_time), how to set it: the closest listed key would be another setting (the run's `seed`)."""
+    from ddpm.config.schema import target_schema
+
+    *parents, leaf = key.split(".")
+    node: object = config
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    target = node.get("_target_") if isinstance(node, dict) else None
+    if not isinstance(target, str) or leaf not in target_schema(target).hints:
+        return None
+    return f"an argument of {target} that this config does not list; set it with +{key}=..."
 
 
 @contextmanager
@@ -58,7 +74,8 @@ def _explain(config_name: str, argv: list[str]) -> None:
     except Exception:  # the hint is a courtesy: the run's own error stands
         return
     for key, hint in found.items():
-        print(f"{key}: no such key; {hint} (`+{key}=` would add a key that nothing reads)", file=sys.stderr)
+        unread = "" if hint.startswith("an argument of") else f" (`+{key}=` would add a key that nothing reads)"
+        print(f"{key}: no such key; {hint}{unread}", file=sys.stderr)
 
 
 def _first_values(overrides: Sequence[str]) -> list[str]:
