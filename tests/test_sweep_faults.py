@@ -367,3 +367,18 @@ def test_a_sweep_whose_jobs_would_never_validate_is_refused_at_each_jobs_start(t
     (row,) = read_summary(sweep)
     assert row["status"] == "FAILED" and "no job of this sweep would validate" in row["error"], row
     assert "set trainer.val_check_interval=6 or lower" in row["error"] and not (sweep / "0" / "checkpoints").exists()
+
+
+def test_summary_rows_rank_completed_values_then_completed_without_then_failed(tmp_path: Path) -> None:
+    """A completed job without a value (tune=lr_find alone) and a failed one both sorted as +inf, ties in path text
+    order: a FAILED row could stand above a COMPLETED one, and job 10 before job 2."""
+    from ddpm.sweep import collect
+
+    jobs = {"0": ("FAILED", None), "1": ("COMPLETED", None), "2": ("COMPLETED", 0.5), "10": ("COMPLETED", 0.5),
+            "3": ("COMPLETED", 0.25)}  # fmt: skip
+    for job, (status, value) in jobs.items():
+        (tmp_path / job).mkdir()
+        record = {"overrides": [f"optim.lr={job}"], "status": status, "val/loss": value}
+        (tmp_path / job / "result.json").write_text(json.dumps(record))
+    assert [row["job"] for row in collect(tmp_path, "val/loss")] == ["3", "2", "10", "1", "0"]
+    assert [row["job"] for row in collect(tmp_path, "val/loss", maximize=True)] == ["2", "10", "3", "1", "0"]

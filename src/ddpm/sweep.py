@@ -247,11 +247,13 @@ def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **overrides, objective: value,
                      "status": result["status"], "error": result.get("error")})  # fmt: skip
 
-    def key(row: dict[str, Any]) -> float:
+    def key(row: dict[str, Any]) -> tuple:
+        """Completed jobs with a value best first, then completed ones without, then failed ones; each in job
+        order (the number, not the text: 2 before 10)."""
         value = row[objective]
-        if value is None or not math.isfinite(value):
-            return math.inf
-        return -value if maximize else value
+        valued = value is not None and math.isfinite(value)
+        number = tuple(int(part) if part.isdigit() else math.inf for part in Path(row["job"]).parts)
+        return (row["status"] != "COMPLETED", not valued, (-value if maximize else value) if valued else 0, number)
 
     return sorted(rows, key=key)
 
