@@ -322,3 +322,19 @@ def test_a_node_that_never_joins_is_a_bounded_wait_naming_the_address(tmp_path: 
         assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={ports[node]}" in output, output[-3000:]
         assert "expected 2 processes" in output
         assert ("1 of 2 ranks joined" if node == 0 else "could not reach rank 0 at 127.0.0.1") in output
+
+
+def test_a_run_refused_at_start_up_does_not_block_the_corrected_command(tmp_path: Path) -> None:
+    """A start-up refusal (data.root mistyped) leaves a FAILED result.json (and the loggers' folders) in the fixed
+    hydra.run.dir; the folder then counted as another run's, and the corrected command was refused in turn. Its
+    files now move aside (nothing is deleted). A finished run's folder is still refused."""
+    run = tmp_path / "run"
+    failed = helpers.train(*helpers.TINY_RUN, "data=mnist", f"data.root={tmp_path / 'typo'}", f"hydra.run.dir={run}",
+                           check=False)  # fmt: skip
+    assert failed.returncode == 1 and json.loads((run / "result.json").read_text())["status"] == "FAILED"
+    helpers.train(*helpers.TINY_RUN, "callbacks.sample_grid=null", f"hydra.run.dir={run}")  # the corrected one
+    assert json.loads((run / "result.json").read_text())["status"] == "COMPLETED" and (run / "ema.pt").is_file()
+    (aside,) = run.glob("replaced-*")
+    assert json.loads((aside / "result.json").read_text())["status"] == "FAILED"
+    with pytest.raises(RunFolderTaken, match="already holds another run's results"):
+        claim_run(run, ckpt_path=None, overwrite=False)

@@ -1,12 +1,13 @@
 """A run never overwrites another run's results: who may write into a run folder.
 
 A folder holds a run when it has any of RUN_FILES (Hydra's own `.hydra/` and `<job>.log` do not count: Hydra
-writes them before `train()` starts). Starting into such a folder is refused before anything is written, naming
-the resume (`ckpt_path=<folder>/checkpoints/last.ckpt`) and a new `hydra.run.dir`, unless
+writes them before `train()` starts). Starting into such a folder is refused before anything is written, naming the
+resume (`ckpt_path=<folder>/checkpoints/last.ckpt`) and a new `hydra.run.dir`, unless
 
 - the run resumes in place: its checkpoint lies inside that folder (`ckpt_path=<folder>/...`, `resume_dir`, a
   requeued SLURM job's `hpc_ckpt_*.ckpt`); it then continues the run, reusing the checkpoint names;
-- `overwrite=true`: the old run's files first move into `<folder>/replaced-<time>/` (nothing is deleted).
+- `overwrite=true`: the old run's files first move into `<folder>/replaced-<time>/` (nothing is deleted); so do a
+  failed run's when it left no work (`failed_start`: refused at start-up, or failed before its first checkpoint).
 
 `RunFolderGuard` (a Hydra callback, conf/train.yaml) applies the rule before Hydra writes `.hydra/` into the
 folder (Hydra turns a callback's exception into a warning, so a refusal there is a SystemExit); `train()` applies
@@ -16,9 +17,11 @@ Optuna study's own folder, which the same command continues (`continues_study`).
 Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed.
 """
 
+import json
 import shutil
 import sys
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +39,7 @@ SAMPLE_COMPANIONS = (".hydra", "sample.log")  # Hydra's files of that call, move
 # What only a train.py run writes (an ema.pt or config.yaml alone may be a model a user keeps beside its samples)
 TRAINING_RUN = ("train.log", "checkpoints", "result.json", "resume_diff.yaml", "hpc_ckpt_*.ckpt")
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
+WORK = ("checkpoints", "ema.pt", "ema.safetensors", "samples", "hpc_ckpt_*.ckpt", "lr_find.*")  # a run's own work
 
 
 class RunFolderTaken(FileExistsError):
@@ -68,11 +72,25 @@ def claim(
     found = held(folder, patterns)
     if not found or inside(ckpt_path, folder):
         return None
-    if not overwrite:
+    failed = failed_start(folder, found)
+    if not overwrite and not failed:
         raise RunFolderTaken(taken_message(folder, found, key))
     names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)] if everything else found
     names += [name for name in companions if (folder / name).exists()]
-    return move_aside(folder, sorted({name.split("/")[0] for name in names}))
+    why = "a run that failed before its first checkpoint" if failed and not overwrite else "overwrite=true"
+    return move_aside(folder, sorted({name.split("/")[0] for name in names}), why)
+
+
+def failed_start(folder: Path, found: list[str]) -> bool:
+    """Whether the folder holds a FAILED result.json and no trained work (WORK: checkpoints, EMA weights, grids, an LR
+    range test): a run refused at start-up (a typo in data.root) or failed before its first checkpoint. Its files
+    move aside instead of refusing the corrected command."""
+    if "result.json" not in found or any(fnmatch(name.split("/")[0], pattern) for name in found for pattern in WORK):
+        return False
+    try:
+        return json.loads((folder / "result.json").read_text()).get("status") == "FAILED"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def refuse_training_run(folder: Path, key: str = "output_dir") -> None:
@@ -102,7 +120,7 @@ def taken_message(folder: Path, found: list[str], key: str) -> str:
     )
 
 
-def move_aside(folder: Path, names: list[str]) -> Path:
+def move_aside(folder: Path, names: list[str], why: str = "overwrite=true") -> Path:
     """Move `names` (entries of `folder`) into a new `folder/replaced-<time>/`; returns that folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target, n = folder / f"{REPLACED}{stamp}", 1
@@ -112,7 +130,7 @@ def move_aside(folder: Path, names: list[str]) -> Path:
     for name in names:
         if (folder / name).exists():
             shutil.move(folder / name, target / name)
-    print(f"overwrite=true: moved the previous run's {', '.join(names)} into {target}", file=sys.stderr)
+    print(f"{why}: moved the previous run's {', '.join(names)} into {target}", file=sys.stderr)
     return target
 
 
