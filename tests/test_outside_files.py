@@ -197,6 +197,9 @@ def test_a_torn_inception_weights_file_is_named_with_the_fix(hub_file: Path, kin
     message = str(error.value)
     assert str(hub_file) in message and f"rm {hub_file}" in message and INCEPTION_URL in message, message
     assert "metrics.features=" in message and hub_file.exists()  # the user's file is named, not deleted
+    with pytest.raises(InceptionWeightsCorrupt) as error:  # the FID callback's setting, in train.py's words
+        features.build_extractor("inception", key="callbacks.fid.features")
+    assert "callbacks.fid.features=<path" in str(error.value) and "metrics.features" not in str(error.value)
 
 
 def test_a_genuine_inception_file_that_fails_is_not_called_torn(

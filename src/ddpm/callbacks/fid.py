@@ -65,7 +65,7 @@ class FID(Callback):
                 "data=latents encoded from one) for the training set's statistics; this run's data has no source "
                 "(WebDataset shards, or latents encoded from them): leave callbacks.fid out"
             )
-        self.extractor = build_extractor(self.features, pl_module.device)
+        self.extractor = build_extractor(self.features, pl_module.device, key="callbacks.fid.features")
         stats = {"source": datamodule.source, "image_size": datamodule.image_size, "channels": datamodule.channels}
         if trainer.is_global_zero:  # compute (or load) once, then the other ranks read the cache
             self.reference = reference_stats(**stats, extractor=self.extractor, cache_dir=self.cache_dir)

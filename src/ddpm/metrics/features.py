@@ -90,22 +90,22 @@ class FeatureExtractor:
         return self.net(x), (self.net.logits(x) if self.has_logits else None)  # type: ignore[operator]
 
 
-def inception_extractor() -> FeatureExtractor:
+def inception_extractor(key: str = "metrics.features") -> FeatureExtractor:
     """torchmetrics' Inception-v3 (torch-fidelity weights, pool3 + unbiased logits), TF-compatible resize."""
     try:
         from torchmetrics.image.fid import NoTrainInceptionV3
     except ImportError as error:  # pragma: no cover - torch-fidelity is a dependency
-        raise ImportError("metrics.features=inception needs torch-fidelity: pip install torch-fidelity") from error
+        raise ImportError(f"{key}=inception needs torch-fidelity: pip install torch-fidelity") from error
     path = inception_weights_path()
     try:
         net = NoTrainInceptionV3(name="inception-v3-compat", features_list=["2048", "logits_unbiased"], antialias=False)
     except Exception as error:  # URLError, HTTPError, OSError, a torn file in the cache ...
         if not path.is_file():
-            raise InceptionWeightsMissing(missing_weights_message(path, error)) from error
+            raise InceptionWeightsMissing(missing_weights_message(path, error, key)) from error
         digest = file_digest(path)
         if digest.startswith(INCEPTION_SHA256_PREFIX):  # the genuine file: the failure lies elsewhere
             raise
-        raise InceptionWeightsCorrupt(corrupt_weights_message(path, digest, error)) from error
+        raise InceptionWeightsCorrupt(corrupt_weights_message(path, digest, error, key)) from error
     return FeatureExtractor(net=net, name=INCEPTION_ID, kind="inception", channels=3, has_logits=True)
 
 
@@ -116,23 +116,23 @@ def brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:200]}"
 
 
-def corrupt_weights_message(path: Path, digest: str, error: BaseException) -> str:
+def corrupt_weights_message(path: Path, digest: str, error: BaseException, key: str = "metrics.features") -> str:
     return (
         f"the Inception weights file {path} ({path.stat().st_size:,} bytes) cannot be loaded "
         f"({brief(error)}): it is torn (an interrupted copy or download) or not the "
         f"genuine file (its sha256 begins {digest[:8]}, the genuine file's {INCEPTION_SHA256_PREFIX}). Delete it "
         f"so that torch hub downloads it again (on a machine with network):\n    rm {path}\nor put a good copy "
         f"there:\n    curl -L -o {path} {INCEPTION_URL}\n"
-        "or compute an offline FID with metrics.features=<path to a TorchScript classifier>"
+        f"or compute an offline FID with {key}=<path to a TorchScript classifier>"
     )
 
 
-def missing_weights_message(path: Path, error: BaseException) -> str:
+def missing_weights_message(path: Path, error: BaseException, key: str = "metrics.features") -> str:
     return (
         f"the Inception weights {INCEPTION_FILE} are not in {path.parent} (torch hub's checkpoints folder, "
         f"under $TORCH_HOME) and could not be downloaded ({type(error).__name__}: {str(error)[:200]}). "
         f"Fetch them once on a machine with network:\n    mkdir -p {path.parent} && curl -L -o {path} {INCEPTION_URL}\n"
-        "(or copy the file there), or compute an offline FID with metrics.features=<path to a TorchScript "
+        f"(or copy the file there), or compute an offline FID with {key}=<path to a TorchScript "
         "classifier>, e.g. the one `python benchmarks/mnist_quality.py --save-classifier PATH` writes"
     )
 
@@ -145,12 +145,12 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def classifier_extractor(path: str | os.PathLike) -> FeatureExtractor:
+def classifier_extractor(path: str | os.PathLike, key: str = "metrics.features") -> FeatureExtractor:
     """A TorchScript module or a `save_state` dict from `path` (see the module docstring for the contract)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
-            f"metrics.features={str(path)!r} does not exist; use metrics.features=inception or the path of a "
+            f"{key}={str(path)!r} does not exist; use {key}=inception or the path of a "
             "TorchScript classifier (python benchmarks/mnist_quality.py --save-classifier PATH writes one)"
         )
     try:
@@ -158,7 +158,7 @@ def classifier_extractor(path: str | os.PathLike) -> FeatureExtractor:
             warnings.simplefilter("ignore", FutureWarning)
             net = torch.jit.load(str(path), map_location="cpu")
     except Exception as error:  # not TorchScript: a state dict written by ddpm.metrics.classifier.save_state?
-        net = state_dict_classifier(path, error)
+        net = state_dict_classifier(path, error, key)
     net.eval()
     return FeatureExtractor(
         net=net,
@@ -170,7 +170,7 @@ def classifier_extractor(path: str | os.PathLike) -> FeatureExtractor:
     )
 
 
-def state_dict_classifier(path: Path, jit_error: BaseException) -> nn.Module:
+def state_dict_classifier(path: Path, jit_error: BaseException, key: str = "metrics.features") -> nn.Module:
     """The classifier of a `save_state` file; a file neither TorchScript nor torch.load can read is named, torn."""
     from ddpm.metrics.classifier import STATE_FORMAT, load_state
 
@@ -179,14 +179,13 @@ def state_dict_classifier(path: Path, jit_error: BaseException) -> nn.Module:
     except Exception as error:  # a torn zip: OSError, RuntimeError (central directory), UnpicklingError ...
         errors = brief(error) if brief(error) == brief(jit_error) else f"{brief(jit_error)}; {brief(error)}"
         raise ValueError(
-            f"metrics.features={path} ({path.stat().st_size:,} bytes) cannot be read as TorchScript nor as a state "
+            f"{key}={path} ({path.stat().st_size:,} bytes) cannot be read as TorchScript nor as a state "
             f"dict ({errors}): it is torn (an interrupted copy) or not a classifier file; write it again (python "
-            f"benchmarks/mnist_quality.py --save-classifier {path}) or use metrics.features=inception"
+            f"benchmarks/mnist_quality.py --save-classifier {path}) or use {key}=inception"
         ) from error
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != STATE_FORMAT:
         raise ValueError(
-            f"metrics.features={path} is neither TorchScript nor a {STATE_FORMAT} state dict "
-            "(ddpm.metrics.classifier.save_state)"
+            f"{key}={path} is neither TorchScript nor a {STATE_FORMAT} state dict (ddpm.metrics.classifier.save_state)"
         ) from None
     return load_state(checkpoint)
 
@@ -196,7 +195,9 @@ def _int_attr(net: nn.Module, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def build_extractor(features: str, device: torch.device | str = "cpu") -> FeatureExtractor:
-    """`inception` or a classifier file path -> a FeatureExtractor on `device`."""
-    extractor = inception_extractor() if features == "inception" else classifier_extractor(features)
+def build_extractor(
+    features: str, device: torch.device | str = "cpu", key: str = "metrics.features"
+) -> FeatureExtractor:
+    """`inception` or a classifier file path -> a FeatureExtractor on `device`; refusals name `key`, the setting."""
+    extractor = inception_extractor(key) if features == "inception" else classifier_extractor(features, key)
     return extractor.to(device)
