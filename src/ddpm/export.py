@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> Path:
         adapter = (
             "" if reason is None else ", with lightning-ddpm's adapter UNet (import ddpm.weights.diffusers_adapter)"
         )
+        loop = "README.md's 'Latent diffusion' loop" + (" with the adapter's two changes" if reason else "")
         print(f"diffusers folder: {out} (unet, scheduler and vae/{adapter}); DDPMPipeline would return latents, not "
-              "images: README.md's 'Latent diffusion' loop samples and decodes it")  # fmt: skip
+              f"images: {loop} samples and decodes it")  # fmt: skip
     elif reason is None:
         print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)")
     else:
