@@ -25,8 +25,7 @@ BREAKING = ("model.", "diffusion._target_", "diffusion.num_timesteps", "diffusio
             "diffusion.sigma_", "diffusion.rho", "data.image_size", "data.channels", "latent.vae_identity",
             "latent.scaling_factor", "latent.shift_factor", "latent.latent_shape")  # fmt: skip  # latent: the VAE's
 SAFE_MODEL_KEYS = ("model.dropout",)  # model keys that change no shape
-RUN_GLOBS = ("outputs/*/*/checkpoints/last.ckpt", "outputs/*/checkpoints/last.ckpt")  # dated runs, named runs
-RUN_GLOB = " or ".join(RUN_GLOBS)  # where `ckpt_path=last` looks when resume_dir is null
+RUN_GLOB = "outputs/*/*/checkpoints/last.ckpt"  # where `ckpt_path=last` looks when resume_dir is null
 RESUME_FILE = "resume_diff.yaml"
 WORLD_KEY = "world"  # {world_size, global_batch, lr} of the run that saved a checkpoint (DiffusionModule)
 
@@ -40,7 +39,7 @@ def resolve_ckpt_path(ckpt_path: str | None, *, resume_dir: str | None, output_d
             folder = Path(resume_dir).expanduser()
             return checkpoint_in(folder) if folder.is_dir() else folder / "checkpoints" / "last.ckpt"
         own = output_dir.resolve()
-        found = [p for g in RUN_GLOBS for p in Path.cwd().glob(g) if p.parents[1].resolve() != own]
+        found = [p for p in Path.cwd().glob(RUN_GLOB) if p.parents[1].resolve() != own]
         if not found:
             raise CheckpointError(
                 f"ckpt_path=last found no {RUN_GLOB} under {Path.cwd()}; set resume_dir=<run dir> "
