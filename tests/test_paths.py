@@ -239,13 +239,17 @@ def test_guided_sampling_with_fast_samplers(guided_run: Path, tmp_path: Path, sa
 @pytest.mark.slow
 def test_lr_find_without_apply_writes_the_plot_and_stops(tmp_path: Path) -> None:
     result = train("data.limit=256", "data.batch_size=32", "tune=lr_find", "tune.lr_find.num_steps=5",
-                   f"hydra.run.dir={tmp_path}")  # fmt: skip
+                   "optim.scaling=linear", "optim.base_batch_size=64", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert "suggested optim.lr=" in result.stdout
     assert (tmp_path / "lr_find.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert 2 <= len(record["lr"]) == len(record["loss"]) <= 5
     assert record["lr"] == sorted(record["lr"]) and record["lr_at_min"] in record["lr"]
     assert 0 < record["suggested_lr"] < math.inf
+    # lr and lr_at_min are the optimizer's (optim.lr x 32/64 under the linear rule); suggested_lr is optim.lr's
+    assert record["optimizer_lr_per_optim_lr"] == 0.5
+    if not record["warning"]:  # an interior minimum: a tenth of it, in optim.lr's units
+        assert record["suggested_lr"] == pytest.approx(record["lr_at_min"] / 10 / 0.5)
     # No training: no checkpoints, no EMA export, no grid, and the range test's temporary checkpoint removed.
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "ema.pt").exists()
     assert not (tmp_path / "samples").exists()

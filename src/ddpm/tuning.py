@@ -122,8 +122,9 @@ def unbias(smoothed: list[float], beta: float = 0.98) -> list[float]:
     return [x * (1 - beta ** (i + 2)) / (1 - beta ** (i + 1)) for i, x in enumerate(smoothed)]
 
 
-def save_plot(result: LRFindResult, path: Path) -> Path:
-    """Loss vs LR (log x), the minimum and the suggestion marked; a PNG at `path`."""
+def save_plot(result: LRFindResult, path: Path, scale: float = 1.0) -> Path:
+    """Loss vs the optimizer's LR (log x), the minimum and the suggestion marked; a PNG at `path`. With an LR
+    scaling rule (`scale` = the optimizer's LR / optim.lr) the suggestion's label gives optim.lr, the value to set."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,8 +133,10 @@ def save_plot(result: LRFindResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(result.lrs, result.losses, color="tab:blue", label="smoothed training loss")
     ax.axvline(result.lr_at_min, color="tab:red", linestyle=":", label=f"minimum: {result.lr_at_min:.2e}")
-    ax.axvline(result.suggestion, color="tab:green", linestyle="--", label=f"suggested: {result.suggestion:.2e}")
-    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test")
+    named = f"suggested: optim.lr={result.suggestion / scale:.2e}"
+    named += f" ({result.suggestion:.2e} after the batch-size rule)" if scale != 1.0 else ""
+    ax.axvline(result.suggestion, color="tab:green", linestyle="--", label=named)
+    ax.set(xscale="log", xlabel="learning rate (the optimizer's)", ylabel="loss", title="LR range test")
     ax.legend()
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png"))
@@ -166,12 +169,12 @@ def tune_lr(cfg: DictConfig, output_dir: Path, run_config: dict[str, Any]) -> fl
     scale = optim.scaled_lr(global_batch) / optim.lr
     suggested = result.suggestion / scale
     if trainer.is_global_zero:
-        plot = save_plot(result, output_dir / "lr_find.png")
+        plot = save_plot(result, output_dir / "lr_find.png", scale)
         record = {"lr": result.lrs, "loss": result.losses, "lr_at_min": result.lr_at_min, "suggested_lr": suggested,
-                  "warning": result.warning}  # fmt: skip
+                  "optimizer_lr_per_optim_lr": scale, "warning": result.warning}  # fmt: skip  # lr: the optimizer's
         atomic_write_text(output_dir / "lr_find.json", json.dumps(record) + "\n")
         say(
-            f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g}; "
+            f"lr_find: {len(result.lrs)} steps, loss minimum at lr={result.lr_at_min:.3g} (the optimizer's); "
             f"suggested optim.lr={suggested:.3g} (plot: {plot})"
         )
     return suggested
