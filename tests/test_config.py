@@ -28,9 +28,10 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.callbacks.sample_grid import SampleGrid
 from ddpm.callbacks.vae_grid import VAEGrid
 from ddpm.config.build import build
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.make_shards import write_shards
 from ddpm.data.ram import RAMDataModule
-from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
+from ddpm.data.sources import CIFAR10Source, DigitsSource, MNISTSource
 from ddpm.data.webdataset import WebDataModule
 from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion

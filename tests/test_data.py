@@ -16,8 +16,9 @@ from PIL import Image
 
 from ddpm.data import ram
 from ddpm.data.idx import read_idx
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.ram import RAMDataModule
-from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, ImageSet, MNISTSource
+from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageSet, MNISTSource
 from ddpm.models.unet import UNet
 from ddpm.module import check_batch
 
@@ -167,6 +168,8 @@ def test_download_fetches_every_missing_split_and_data_root_as_a_file_is_named(
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", lambda root, train, download: fetched.append(("cifar", root)))
     for name in (IMAGES, LABELS):
         shutil.copy(mnist_root / f"{name}.gz", tmp_path)
+    MNISTSource(root=str(tmp_path / "new" / "mnist"), split="test", download=True).prepare()  # a folder to create
+    assert fetched.pop() == ("mnist", False) and (tmp_path / "new" / "mnist").is_dir()
     MNISTSource(root=str(tmp_path), split="test", download=True).prepare()
     MNISTSource(root=str(tmp_path), split="all", download=True).prepare()
     (tmp_path / "cifar" / "cifar-10-batches-py").mkdir(parents=True)
@@ -358,7 +361,7 @@ def test_only_mnist_is_padded_other_small_images_are_resized() -> None:
 def test_data_limit_decodes_only_the_images_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """data.limit=3 on a folder of 12 decoded all 12, then kept 3 (the RAM check had budgeted 3): a smoke run on a
     large folder decoded all of it, and could run out of memory after the check passed."""
-    from ddpm.data import sources
+    from ddpm.data import image_folder as sources
 
     for i in range(12):
         save(tmp_path / "imgs" / f"c{i % 2}" / f"{i:02d}.png", np.full((8, 8, 3), i, dtype=np.uint8))

@@ -30,12 +30,13 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.images import ImageModeError, to_eight_bit, to_mode
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.shards import ShardError
-from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource
+from ddpm.data.sources import CIFAR10Source, DigitsSource, MNISTSource
 from ddpm.data.webdataset import ShardStream, WebDataModule
 
 # --- case 2: a refusal names the key the user set ------------------------------------------------------------------

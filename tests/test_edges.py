@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from ddpm.config.build import build
-from ddpm.data.sources import ImageFolderSource
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.schedule import alpha_bar_from_betas, linear_betas, make_betas
 from ddpm.training import resolve_config

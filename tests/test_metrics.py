@@ -1,5 +1,6 @@
 """FID, KID and IS against independent truth; the reference cache; the missing-weights message; sharding."""
 
+import shutil
 import urllib.error
 from pathlib import Path
 
@@ -198,10 +199,10 @@ def test_reference_stats_are_cached_per_dataset_resolution_and_extractor(
 
 def test_reference_stats_follow_the_files_under_the_same_root(tmp_path: Path) -> None:
     """The cache key named data.root but not what it holds: a folder grown by 30 images (and a class) kept its
-    statistics of the first 10. The files' paths, sizes and times are in the key now."""
+    statistics of the first 10. The files' digest (paths, sizes, times) is kept with the statistics now."""
     from PIL import Image
 
-    from ddpm.data.sources import ImageFolderSource
+    from ddpm.data.image_folder import ImageFolderSource
 
     def add(folder: str, count: int, value: int) -> None:
         (tmp_path / "images" / folder).mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,10 @@ def test_reference_stats_follow_the_files_under_the_same_root(tmp_path: Path) ->
     assert stats().num == 10
     add("b", 30, 100)
     assert stats().num == stats().num == 40  # computed once more, then read
-    assert len(list((tmp_path / "c").iterdir())) == 2
+    assert len(list((tmp_path / "c").iterdir())) == 1  # the same key: replaced
+    shutil.rmtree(tmp_path / "images")  # the data gone (only the cache copied here): the cache stands, said so
+    with pytest.warns(UserWarning, match="not on disk; its cached reference statistics are used"):
+        assert stats().num == 40
 
 
 def test_missing_inception_weights_fail_with_the_file_the_folder_and_the_url(

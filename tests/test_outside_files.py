@@ -20,9 +20,10 @@ from helpers import run
 from PIL import Image
 
 from ddpm.data import make_shards
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.images import open_image
 from ddpm.data.shards import read_shard
-from ddpm.data.sources import DigitsSource, ImageFolderSource
+from ddpm.data.sources import DigitsSource
 from ddpm.metrics import features
 from ddpm.metrics.classifier import SmallClassifier, save_torchscript
 from ddpm.metrics.features import INCEPTION_FILE, INCEPTION_URL, FeatureExtractor, InceptionWeightsCorrupt

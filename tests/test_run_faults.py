@@ -23,9 +23,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from ddpm.resume import check_resume, resolve_ckpt_path
+from ddpm.resume import check_resume, hpc_checkpoint, requeued_from, resolve_ckpt_path
 from ddpm.run_dir import RUN_FILES, RunFolderGuard, RunFolderTaken, claim_run
-from ddpm.training import hpc_checkpoint, requeued_from
 from ddpm.weights import CheckpointError
 
 LR = 1e-3  # optim.lr at optim.base_batch_size=32; optim.scaling=linear: 2e-3 for the 2-process global batch of 64
@@ -190,6 +189,7 @@ def test_a_requeued_job_that_named_a_ckpt_path_resumes_from_the_requeues_checkpo
     os.utime(run / "checkpoints" / "last.ckpt", (1, 1))
     (run / "hpc_ckpt_1.ckpt").write_bytes(b"x")
     assert requeued_from(run, None) == requeued_from(run, other) == run / "hpc_ckpt_1.ckpt"
+    assert requeued_from(run, tmp_path / "typo.ckpt") == tmp_path / "typo.ckpt"  # refused by name later
     assert requeued_from(run, run / "checkpoints" / "last.ckpt") == run / "hpc_ckpt_1.ckpt"
     os.utime(run / "hpc_ckpt_1.ckpt", (0, 0))
     assert requeued_from(run, run / "checkpoints" / "last.ckpt") == run / "checkpoints" / "last.ckpt"  # saved after
@@ -332,9 +332,10 @@ def test_a_run_refused_at_start_up_does_not_block_the_corrected_command(tmp_path
     failed = helpers.train(*helpers.TINY_RUN, "data=mnist", f"data.root={tmp_path / 'typo'}", f"hydra.run.dir={run}",
                            check=False)  # fmt: skip
     assert failed.returncode == 1 and json.loads((run / "result.json").read_text())["status"] == "FAILED"
+    (run / "notes.txt").write_text("the user's own file")  # moved with the failed run's files before: kept
     helpers.train(*helpers.TINY_RUN, "callbacks.sample_grid=null", f"hydra.run.dir={run}")  # the corrected one
     assert json.loads((run / "result.json").read_text())["status"] == "COMPLETED" and (run / "ema.pt").is_file()
     (aside,) = run.glob("replaced-*")
-    assert json.loads((aside / "result.json").read_text())["status"] == "FAILED"
+    assert json.loads((aside / "result.json").read_text())["status"] == "FAILED" and (run / "notes.txt").is_file()
     with pytest.raises(RunFolderTaken, match="already holds another run's results"):
         claim_run(run, ckpt_path=None, overwrite=False)

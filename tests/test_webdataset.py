@@ -12,10 +12,11 @@ import torch
 from helpers import run, train
 from torch.utils.data import DataLoader
 
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
 from ddpm.data.shards import ShardError, assign_shards, decode, expand_urls
-from ddpm.data.sources import DigitsSource, ImageFolderSource
+from ddpm.data.sources import DigitsSource
 from ddpm.data.webdataset import ShardStream, WebDataModule
 
 

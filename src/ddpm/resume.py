@@ -10,6 +10,7 @@ in place), with `resume_diff.yaml` recording where it came from, every config va
 world size, global batch and learning rate before and after (`world`).
 """
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from ddpm.logs import say
+from ddpm.ranks import first_process
 from ddpm.weights.model import CheckpointError, run_config
 from ddpm.weights.torch_file import load_checkpoint
 
@@ -175,3 +177,25 @@ def world_of(trainer: Any, batch_size: Any, lr_of: Any) -> dict[str, Any]:
     """{world_size, global_batch, lr} of this run: the data.batch_size per process x processes x accumulation."""
     global_batch = int(batch_size) * trainer.world_size * trainer.accumulate_grad_batches
     return {"world_size": trainer.world_size, "global_batch": global_batch, "lr": float(lr_of(global_batch))}
+
+
+def hpc_checkpoint(folder: Path) -> Path | None:
+    """The newest hpc_ckpt_<n>.ckpt Lightning's SLURM requeue saved in `folder` (it resumes from it by itself)."""
+    found = [
+        (int(m[1]), p) for p in folder.glob("hpc_ckpt_*.ckpt") if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name))
+    ]
+    return max(found)[1] if found else None
+
+
+def requeued_from(output_dir: Path, ckpt_path: Path | None) -> Path | None:
+    """The checkpoint a run resumes from: the run folder's hpc checkpoint where it is newer than `ckpt_path` (a
+    requeued SLURM job runs its first command again, whose ckpt_path, if any, is older than what the requeue saved);
+    else `ckpt_path`."""
+    hpc = hpc_checkpoint(output_dir)
+    missing = ckpt_path is not None and not Path(ckpt_path).is_file()  # refused by name later
+    if hpc is None or missing or (ckpt_path is not None and hpc.stat().st_mtime <= Path(ckpt_path).stat().st_mtime):
+        return ckpt_path
+    if ckpt_path is not None and first_process():
+        say(f"Resuming from {hpc}, which SLURM's requeue saved after ckpt_path={ckpt_path} (delete it to resume "
+            "from ckpt_path)")  # fmt: skip
+    return hpc

@@ -72,12 +72,17 @@ def claim(
     found = held(folder, patterns)
     if not found or inside(ckpt_path, folder):
         return None
-    failed = failed_start(folder, found)
+    failed = failed_start(folder, found) and not overwrite
     if not overwrite and not failed:
         raise RunFolderTaken(taken_message(folder, found, key))
-    names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)] if everything else found
+    if failed:  # only the failed run's own files (a folder may hold the user's: hydra.run.dir=.)
+        names = [*found, *(name for name in (".hydra", "train.log") if (folder / name).exists())]
+    elif everything:
+        names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)]
+    else:
+        names = found
     names += [name for name in companions if (folder / name).exists()]
-    why = "a run that failed before its first checkpoint" if failed and not overwrite else "overwrite=true"
+    why = "a run that failed before its first checkpoint" if failed else "overwrite=true"
     return move_aside(folder, sorted({name.split("/")[0] for name in names}), why)
 
 

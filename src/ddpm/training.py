@@ -4,7 +4,6 @@ Before anything is written, the run claims its folder (ddpm.run_dir: never into 
 fit, a run that took no optimizer step fails instead of exporting untrained weights as a success.
 """
 
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from ddpm.resume import (
     checkpoint_world,
     load_training_checkpoint,
     record_world,
+    requeued_from,
     resolve_ckpt_path,
     world_of,
 )
@@ -94,27 +94,6 @@ def checkpoint_dirs(resolved: dict[str, Any]) -> list[Path]:
     """The dirpath of every ModelCheckpoint in the config (they may lie outside the run folder)."""
     nodes = (resolved.get("callbacks") or {}).values()
     return [Path(n["dirpath"]) for n in nodes if isinstance(n, dict) and n.get("dirpath") and checkpoint_options(n)]
-
-
-def hpc_checkpoint(folder: Path) -> Path | None:
-    """The newest hpc_ckpt_<n>.ckpt Lightning's SLURM requeue saved in `folder` (it resumes from it by itself)."""
-    found = [
-        (int(m[1]), p) for p in folder.glob("hpc_ckpt_*.ckpt") if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name))
-    ]
-    return max(found)[1] if found else None
-
-
-def requeued_from(output_dir: Path, ckpt_path: Path | None) -> Path | None:
-    """The checkpoint a run resumes from: the run folder's hpc checkpoint where it is newer than `ckpt_path` (a
-    requeued SLURM job runs its first command again, whose ckpt_path, if any, is older than what the requeue saved);
-    else `ckpt_path`."""
-    hpc = hpc_checkpoint(output_dir)
-    if hpc is None or (ckpt_path is not None and hpc.stat().st_mtime <= Path(ckpt_path).stat().st_mtime):
-        return ckpt_path
-    if ckpt_path is not None and first_process():
-        say(f"Resuming from {hpc}, which SLURM's requeue saved after ckpt_path={ckpt_path} (delete it to resume "
-            "from ckpt_path)")  # fmt: skip
-    return hpc
 
 
 def keep_metrics_history(loggers: list[Any] | bool) -> None:

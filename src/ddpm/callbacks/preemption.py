@@ -129,7 +129,7 @@ class Preemption(Callback):
         came in between is already ours; its own flag would stop the loop without a checkpoint)."""
         self._install(trainer, [name for name in self.signals if name != "SIGINT"])
         connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:
+        if connector is not None and "SIGTERM" in self.signals:  # ours now; left to Lightning, its flag stands
             connector.received_sigterm = False
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -25,8 +25,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.images import PILLOW_MAX_PIXELS
-from ddpm.data.sources import CIFAR10Source, DigitsSource, ImageFolderSource, MNISTSource, Source
+from ddpm.data.sources import CIFAR10Source, DigitsSource, MNISTSource, Source
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,14 +9,14 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ddpm.data.idx import read_idx, read_idx_header
-from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, convert_channels, fit_to_size, open_image
+from ddpm.data.images import convert_channels, fit_to_size
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,11 @@ def download_dir(root: str | None, what: str) -> Path:
     if root is None or str(root) == "":
         raise FileNotFoundError(f"data.root is not set; point it at the folder to download {what} into")
     folder = Path(root).expanduser()
-    if not folder.exists():
-        folder.mkdir(parents=True)
-    return require_dir(root, what, "data.source.download=true downloads into it")
+    if folder.exists() and not folder.is_dir():
+        raise FileNotFoundError(f"data.root={root} is a file, not a folder; point it at the folder to download {what} "
+                                "into")  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def require_dir(root: str | Path | None, what: str, fix: str) -> Path:
@@ -253,75 +255,3 @@ class CIFAR10Source:
         tensor = torch.from_numpy(np.concatenate(images))
         labels = torch.from_numpy(np.concatenate(labels))
         return finish(tensor, labels, 10, image_size=image_size, channels=channels, limit=limit)
-
-
-# --- A folder of images, one sub-folder per class --------------------------------------------------
-
-
-def _hidden(path: Path, folder: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(folder).parts)
-
-
-_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageFolderSource:
-    """root/<class>/<image>: classes are the sorted sub-folder names; resized and centre-cropped at preload.
-
-    Every image is decoded upright (its EXIF orientation applied, as viewers show it). Every Pillow mode converts
-    by the rule in ddpm.data.images (16-bit scaled, float and 32-bit integer files by their range, transparency
-    onto white) or is refused naming the file; so is a file over `max_pixels`."""
-
-    root: str | None  # the folder of class sub-folders
-    conditional: bool = True  # False: one class (labels all 0, num_classes None)
-    max_pixels: int | None = PILLOW_MAX_PIXELS  # refuse larger images (decompression bombs); None: no limit (trusted)
-    setting: ClassVar[str] = "data.source.max_pixels"  # the key that sets max_pixels, named in refusals
-
-    def __post_init__(self) -> None:
-        require("data.source.max_pixels", self.max_pixels, lambda v: v is None or (isinstance(v, int) and v >= 1),
-                "an integer >= 1, or null for no limit (only for trusted files)")  # fmt: skip
-
-    def _classes(self) -> list[Path]:
-        """Class folders: the visible sub-folders, sorted; a folder's place in that order is its label."""
-        root = require_dir(self.root, "one sub-folder of images per class", "set data.root=...")
-        return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-    def _files(self) -> list[tuple[Path, int]]:
-        """(image, label) for every visible image file under the class folders (hidden files and folders, such as
-        .ipynb_checkpoints/ or macOS's ._x.png, are not images of the class)."""
-        classes = self._classes()
-        listed = {folder: [path for path in sorted(folder.rglob("*")) if path.suffix.lower() in _EXTENSIONS
-                           and path.is_file() and not _hidden(path, folder)] for folder in classes}  # fmt: skip
-        if not any(listed.values()):
-            raise FileNotFoundError(
-                f"data.root={self.root} has no images in class sub-folders (root/<class>/*.png|jpg...); fix data.root"
-            )
-        empty = [folder.name for folder, files in listed.items() if not files]
-        if empty and self.conditional:  # skipped, it would give every later class the label of the one before
-            raise FileNotFoundError(
-                f"data.root={self.root}: the class folder(s) {empty} hold no images; each visible sub-folder is a "
-                "class, labelled by its place in sorted order: add its images, or move the folder out of data.root"
-            )
-        return [(path, label) for label, folder in enumerate(classes) for path in listed[folder]]
-
-    def prepare(self) -> None:
-        pass
-
-    def count(self) -> int:
-        return len(self._files())
-
-    def files(self) -> list[Path]:
-        return [path for path, _ in self._files()]
-
-    def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
-        mode = "L" if channels == 1 else "RGB"
-        files = self._files()[:limit]  # only these are decoded
-        images = torch.empty(len(files), 1 if mode == "L" else 3, image_size, image_size, dtype=torch.uint8)
-        for i, (path, _) in enumerate(files):
-            image = open_image(path, mode, name=str(path), max_pixels=self.max_pixels, setting=self.setting)
-            images[i] = centre_crop(image, image_size)
-        labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
-        num_classes = len(self._classes()) if self.conditional else None  # every class folder holds images
-        names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
-        return ImageSet(images=images, labels=labels.long(), num_classes=num_classes, class_names=names)

@@ -161,13 +161,13 @@ def content(files: list[Path]) -> str:
 
 
 def reference_key(source: Source, *, image_size: int, channels: int | None, extractor: str) -> dict[str, Any]:
-    """What the cached statistics depend on: the source (its class, fields and files), resolution, extractor."""
+    """What the cached statistics depend on: the source (its class and fields), resolution, extractor (the files'
+    digest is kept beside it in the cache: see reference_stats)."""
     fields = _key_fields(dataclasses.asdict(source) if dataclasses.is_dataclass(source) else {})  # type: ignore[arg-type]
     return {
         "format": CACHE_FORMAT,
         "source": type(source).__name__,
         **fields,
-        "files": content(source.files()),
         "image_size": image_size,
         "channels": channels,
         "features": extractor,
@@ -215,13 +215,20 @@ def reference_stats(
     """Statistics of every image of `source` (the whole split, no data.limit), cached under `cache_dir`."""
     key = reference_key(source, image_size=image_size, channels=channels, extractor=extractor.name)
     path = reference_path(cache_dir, key)
+    try:
+        files = content(source.files())  # images added, removed or replaced under the same root: computed again
+    except FileNotFoundError:
+        files = None  # the data is not here (moved, or only the cache was copied): the cache stands
     cached = read_cached_stats(path, key) if path.is_file() else None
-    if cached is not None:
+    if cached is not None and files is None:
+        warnings.warn(f"the data of {path.name} is not on disk; its cached reference statistics are used", stacklevel=2)
+    if cached is not None and (files is None or torch.load(path, weights_only=True).get("files") == files):
         return cached
     data = source.load(image_size=image_size, channels=channels)
     say(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
     features, _ = extractor(data.images, batch_size=batch_size)
     stats = FeatureStats.of(features)
     # KID's features as float32 (what the extractors compute, so lossless): 82 MB for 10k Inception rows.
-    atomic_save({"key": key, **dataclasses.asdict(stats), "kid_features": stats.kid_features.float()}, path)
+    record = {"key": key, "files": files, **dataclasses.asdict(stats), "kid_features": stats.kid_features.float()}
+    atomic_save(record, path)
     return stats
