@@ -48,3 +48,12 @@ def test_readme_group_table_lists_every_option_in_conf() -> None:
         if listed != present:
             stale[group] = {"missing": sorted(present - listed), "not in conf": sorted(listed - present)}
     assert not stale, f"README.md's group table differs from conf/: {stale}"
+
+
+def test_an_experiments_note_does_not_stand_beside_the_other_experiments_values() -> None:
+    """A key several experiments set is described in its own group's words unless every experiment says the same:
+    mnist_latent's "3,400 steps of 32 images" and the digits' EMA warm-up note stood beside cifar10's values."""
+    lines = render().splitlines()
+    row = lambda start: next(line for line in lines if line.startswith(start))  # noqa: E731
+    assert row("| `data.batch_size` | `128` |").endswith("| per device |")
+    assert row("| `ema.decay` | `0.9999` |").endswith("| target EMA decay |")

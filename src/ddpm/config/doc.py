@@ -234,14 +234,26 @@ def table(group: str, options: list[ConfigFile], descriptions: dict) -> list[str
         values = [{e.path: e.value for e in o.entries}.get(key) for o in options]
         cells = ["–" if v is None else f"`{_md(v)}`" if v else "" for v in values]
         head, _, rest = key.partition(".")  # a _global_ file's `optim.lr` is documented in group optim
+        glob = all(o.is_global for o in options)  # an experiment's keys are documented in their own groups
+        neutral = (descriptions.get((head, rest)) or descriptions.get(("train.yaml", key))) if glob else None
         text = (
-            descriptions.get((group, key))
-            or descriptions.get((head, rest))
-            or descriptions.get(("train.yaml", key))
+            shared_comment(options, key, neutral)
+            or neutral
+            or descriptions.get((group, key))
             or ("the class instantiated" if key.endswith("_target_") else "")
         )
         rows.append(f"| `{key}` | " + " | ".join(cells) + f" | {_md(text)} |")
     return [*rows, ""]
+
+
+def shared_comment(options: list[ConfigFile], key: str, neutral: str | None) -> str:
+    """For a key documented in its own group (`neutral`: an experiment's `data.batch_size`), the options' comment
+    where every option setting the key says the same; else "" (the neutral description stands): one experiment's
+    note (mnist's EMA warm-up) must not stand beside the other experiments' values."""
+    said = {describe(o, e) for o in options for e in o.entries if e.path == key}
+    setting = sum(any(e.path == key for e in o.entries) for o in options)
+    commented = sum(bool(describe(o, e)) for o in options for e in o.entries if e.path == key)
+    return next(iter(said)) if neutral and len(said) == 1 and commented == setting else ""
 
 
 def main(argv: list[str] | None = None) -> int:
