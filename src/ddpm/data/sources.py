@@ -200,6 +200,7 @@ class MNISTSource:
 # --- CIFAR-10 (Krizhevsky 2009, python pickle batches) --------------------------------------------
 
 _CIFAR_DIR = "cifar-10-batches-py"
+_CIFAR_BATCHES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,7 +216,7 @@ class CIFAR10Source:
 
     def prepare(self) -> None:
         """With download=true, fetch the archive unless every batch file is there (a partly extracted folder)."""
-        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        names = _CIFAR_BATCHES["train"] + _CIFAR_BATCHES["test"]
         folder = Path(self.root).expanduser() / _CIFAR_DIR if self.root else None
         if self.download and (folder is None or not all((folder / name).is_file() for name in names)):
             from torchvision.datasets import CIFAR10
@@ -224,8 +225,7 @@ class CIFAR10Source:
 
     def _batches(self) -> list[Path]:
         root = require_dir(self.root, f"{_CIFAR_DIR}/", "set data.root=... or data.source.download=true")
-        names = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
-        wanted = names["train"] + names["test"] if self.split == "all" else names[self.split]
+        wanted = _CIFAR_BATCHES["train"] + _CIFAR_BATCHES["test"] if self.split == "all" else _CIFAR_BATCHES[self.split]
         paths = [root / _CIFAR_DIR / name for name in wanted]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:

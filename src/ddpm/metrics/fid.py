@@ -183,14 +183,15 @@ def reference_path(cache_dir: str | os.PathLike, key: dict[str, Any]) -> Path:
     return Path(cache_dir).expanduser() / name
 
 
-def read_cached_stats(path: Path, key: dict[str, Any]) -> FeatureStats | None:
-    """The statistics cached in `path` for `key`; None if they are for another key (stale) or the file is torn or
-    not a cache file (said in a warning that names it: it is computed again and replaced, atomically)."""
+def read_cached_stats(path: Path, key: dict[str, Any], files: str | None = None) -> FeatureStats | None:
+    """The statistics cached in `path` for `key` and the source's `files` digest (None: not on disk, any digest
+    stands); None if they are for another key or other files (stale) or the file is torn or not a cache file (said
+    in a warning that names it: it is computed again and replaced, atomically)."""
     try:
         cached = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(cached, dict):
             raise TypeError(f"it holds a {type(cached).__name__}, not a dict")
-        if cached.get("key") != key:  # stale: another format or source
+        if cached.get("key") != key or (files is not None and cached.get("files") != files):  # stale
             return None
         fields = {f: cached[f] for f in ("num", "features_sum", "cov_sum")}
         return FeatureStats(**fields, kid_features=cached["kid_features"].double())
@@ -219,10 +220,11 @@ def reference_stats(
         files = content(source.files())  # images added, removed or replaced under the same root: computed again
     except FileNotFoundError:
         files = None  # the data is not here (moved, or only the cache was copied): the cache stands
-    cached = read_cached_stats(path, key) if path.is_file() else None
-    if cached is not None and files is None:
-        warnings.warn(f"the data of {path.name} is not on disk; its cached reference statistics are used", stacklevel=2)
-    if cached is not None and (files is None or torch.load(path, weights_only=True).get("files") == files):
+    cached = read_cached_stats(path, key, files) if path.is_file() else None
+    if cached is not None:
+        if files is None:
+            warnings.warn(f"the data of {path.name} is not on disk; its cached reference statistics are used",
+                          stacklevel=2)  # fmt: skip
         return cached
     data = source.load(image_size=image_size, channels=channels)
     say(f"reference statistics: {len(data.images)} images through {extractor.name} -> {path}")
