@@ -328,3 +328,40 @@ def test_fit_logs_the_schedule(tmp_path, caplog):
     with caplog.at_level("INFO"):
         trainer(tmp_path, max_steps=5, ema=EMA(decay=0.9), accumulate=1).fit(Tiny(), loader())
     assert "stays below ema.decay=0.9 for all 5 updates" in caplog.text and "from update 80" in caplog.text
+
+
+class StopAfter(pl.Callback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        trainer.should_stop = trainer.global_step >= self.steps
+
+
+def test_a_fit_without_a_step_or_epoch_limit_trains(tmp_path, caplog):
+    """max_steps=-1 with max_epochs=-1 (stopped by max_time, a signal or a callback): Lightning's
+    estimated_stepping_batches is inf, and inf // n is NaN, which int() refused before the first step."""
+    ema = EMA(decay=0.9, update_every_n_steps=2)
+    fit = pl.Trainer(accelerator="cpu", max_steps=-1, max_epochs=-1, callbacks=[ema, StopAfter(4)], logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=tmp_path)  # fmt: skip
+    with caplog.at_level("INFO"):
+        fit.fit(Tiny(), loader())
+    assert fit.global_step == 4 and ema.num_updates == 2
+    assert "0.9 from update 80" in caplog.text and "stays below" not in caplog.text
+
+
+def test_a_new_average_starts_from_the_weights_the_fit_starts_with():
+    """setup() runs before DDP copies rank 0's weights to every rank: with seed=null each rank's average began at
+    its own random weights (ema.warmup=false kept that share for ~1/(1-d) steps). on_fit_start takes them again."""
+    net = nn.Linear(2, 1)
+    ema = set_up(net, decay=0.9)
+    with torch.no_grad():
+        net.weight.fill_(3.0)  # what DDP's broadcast of rank 0's weights does between setup and on_fit_start
+    ema.on_fit_start(None, SimpleNamespace(net=net, device=torch.device("cpu")))
+    assert torch.equal(ema.shadow["weight"], net.weight.detach())
+    ema.update(net)
+    with torch.no_grad():
+        net.weight.fill_(5.0)
+    ema.on_fit_start(None, SimpleNamespace(net=net, device=torch.device("cpu")))  # a second fit keeps its average
+    assert torch.equal(ema.shadow["weight"], torch.full((1, 2), 3.0))

@@ -2,7 +2,8 @@
 
 theta_ema <- d * theta_ema + (1 - d) * theta after every optimizer step, with
 d = min(decay, (1 + n) / (10 + n)) when warm-up is on (n = updates so far; the schedule of
-tf.train.ExponentialMovingAverage's num_updates, as used by DDPM's reference code).
+tf.train.ExponentialMovingAverage's num_updates. DDPM's reference code applies its decay from the first
+update: ema.warmup=false).
 The warm-up reaches a decay d only at update n = (10 d - 1) / (1 - d): 8,990 for 0.999, 89,990 for 0.9999.
 A shorter run never uses d, and every d above its last warm-up decay trains the same average; at the start
 of training the callback logs which case a run is in (`schedule_note`).
@@ -84,6 +85,7 @@ class EMA(Callback):
         self.last_step = 0  # trainer.global_step at the last update check
         self.shadow: dict[str, Tensor] | None = None  # float32 averages, keyed as net.state_dict()
         self._trained: list[tuple[nn.Module, dict[str, Tensor]]] = []  # (net, its own weights) while swapped
+        self._loaded = False  # the shadow came from a checkpoint
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.shadow is None:
@@ -94,10 +96,19 @@ class EMA(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.shadow = {k: v.to(pl_module.device) for k, v in self._require_shadow().items()}
+        if not self._loaded and self.num_updates == 0:  # a new average starts from the weights the fit starts
+            self._copy_from(pl_module.net)  # with: DDP gives every rank rank 0's after setup() (seed=null differs)
+
+    def _copy_from(self, net: nn.Module) -> None:
+        with torch.no_grad():
+            for k, v in _tensors(net).items():
+                self._require_shadow()[k].copy_(v)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.warmup:  # a short run may never reach the decay it asks for (experiment=mnist: 0.999 in 2,000)
-            rank_zero_info(schedule_note(self.decay, trainer.estimated_stepping_batches // self.update_every_n_steps))
+            total = trainer.estimated_stepping_batches  # inf without max_steps and max_epochs (max_time, a signal)
+            updates = total // self.update_every_n_steps if math.isfinite(total) else math.inf
+            rank_zero_info(schedule_note(self.decay, updates))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # global_step counts optimizer steps: under gradient accumulation it moves once per k batches.
@@ -181,11 +192,10 @@ class EMA(Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         shadow = self._require_shadow()
+        self._loaded = True
         if CHECKPOINT_KEY not in checkpoint:  # the net holds the checkpoint's weights now; the shadow, setup's
             rank_zero_warn("The checkpoint holds no EMA weights; the EMA starts again from the model's weights.")
-            with torch.no_grad():
-                for k, v in _tensors(pl_module.net).items():
-                    shadow[k].copy_(v)
+            self._copy_from(pl_module.net)
             return
         saved = checkpoint[CHECKPOINT_KEY]
         if saved.keys() != shadow.keys():
