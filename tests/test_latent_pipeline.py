@@ -6,6 +6,7 @@ is never decoded with another VAE than its latents were encoded with."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,27 @@ def test_export_holds_unet_scheduler_and_vae_and_diffusers_alone_samples_it(run_
     assert result.stdout.strip().splitlines()[-1] == "(4, 1, 16, 16)"
     drawn = sample(f"ckpt={out}", "num_samples=2", "sampler.steps=2", f"output_dir={tmp_path / 's'}")
     assert np.load(tmp_path / "s" / "samples.npz")["images"].shape == (2, 16, 16, 1), drawn.stdout[-300:]
+
+
+def test_a_run_whose_vae_moved_is_refused_before_its_first_step(tmp_path: Path) -> None:
+    """The sample grid and FID decode through meta.json's VAE folder. Moved or replaced, that was found at the first
+    grid (for mnist_latent the last step), losing the steps since the last checkpoint and ema.pt."""
+    from ddpm.data.latents import check_decoder_folder, latent_record
+
+    vae = save_vae(tmp_path / "vae", seed=0)
+    run("python", "-m", "ddpm.data.encode", f"vae={vae}", f"out={tmp_path / 'latents'}", "data.image_size=16",
+        "data.limit=64")  # fmt: skip
+    record = latent_record({"_target_": "ddpm.data.latents.LatentDataModule", "root": str(tmp_path / "latents")})
+    grid = {"sample_grid": {"_target_": "ddpm.callbacks.sample_grid.SampleGrid"}, "fid": None}
+    check_decoder_folder(record, grid)
+    save_vae(tmp_path / "vae", seed=1)  # another VAE in its place
+    with pytest.raises(
+        ValueError, match=r"callbacks.sample_grid decode .* now holds the VAE \w+, not " + record["vae_identity"]
+    ):
+        check_decoder_folder(record, grid)
+    check_decoder_folder(record, {"sample_grid": None})  # nothing decodes: nothing to check
+    shutil.rmtree(tmp_path / "vae")
+    refused = train("data=latents", f"data.root={tmp_path / 'latents'}", *LATENT_MODEL, *SHORT,
+                    f"hydra.run.dir={tmp_path / 'run'}", check=False)  # fmt: skip
+    assert refused.returncode != 0 and "holds no config.json: put that VAE folder back" in refused.stderr
+    assert "callbacks.sample_grid=null" in refused.stderr and not (tmp_path / "run" / "checkpoints").exists()

@@ -156,9 +156,11 @@ def with_latent(resolved: dict[str, Any]) -> dict[str, Any]:
     and the scaling sample.py, the grids and FID decode with), read from the encoded folder's meta.json."""
     if (resolved.get("data") or {}).get("_target_") != LATENT_DATA:
         return resolved
-    from ddpm.data.latents import latent_record
+    from ddpm.data.latents import check_decoder_folder, latent_record
 
-    return resolved | {"latent": latent_record(resolved["data"])}
+    record = latent_record(resolved["data"])
+    check_decoder_folder(record, resolved.get("callbacks") or {})
+    return resolved | {"latent": record}
 
 
 def train(cfg: DictConfig) -> float | None:

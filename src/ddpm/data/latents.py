@@ -38,6 +38,33 @@ def latent_record(data_config: dict[str, Any]) -> dict[str, Any] | None:
     return record_of(read_meta(data_config.get("root")))
 
 
+DECODERS = ("ddpm.callbacks.sample_grid.SampleGrid", "ddpm.callbacks.fid.FID")  # callbacks that decode latents
+
+
+def check_decoder_folder(record: dict[str, Any], callbacks: dict[str, Any]) -> None:
+    """Before a latent run's first step: the VAE its sample grid and FID callback decode through (meta.json's
+    `vae`) is there and holds the encoding VAE's weights. Found at the first grid instead, it cost the steps since
+    the last checkpoint and the run's ema.pt."""
+    using = [f"callbacks.{k}" for k, v in callbacks.items() if isinstance(v, dict) and v.get("_target_") in DECODERS]
+    if not using:
+        return
+    from ddpm.models.vae import folder_identity
+
+    folder, identity = Path(record["vae"]), record["vae_identity"]
+    fix = f"or train without decoded images: {' '.join(f'{name}=null' for name in using)}"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{' and '.join(using)} decode the latents through the VAE they were encoded with, {folder} (data.root's "
+            f"meta.json), which holds no config.json: put that VAE folder back there (identity {identity}), {fix}"
+        )
+    if (found := folder_identity(folder)) != identity:
+        raise ValueError(
+            f"{' and '.join(using)} decode the latents through the VAE in {folder} (data.root's meta.json), which "
+            f"now holds the VAE {found}, not {identity} that encoded them: its images would be wrong; put the "
+            f"encoding VAE back there, {fix}"
+        )
+
+
 def record_of(meta: dict[str, Any]) -> dict[str, Any]:
     """meta.json's RECORD keys; `data`: the encode-time pixel data config (its source: the metrics' reference),
     without the keys that only served batches."""
