@@ -405,3 +405,40 @@ def test_a_bf16_vae_encodes_and_decodes() -> None:
     mean, logvar = vae.encode(digits(4)[0])
     assert mean.dtype == torch.float32 and mean.shape == (4, 2, 8, 8)
     assert vae.decode(vae.to_diffusion(mean, logvar)).shape == (4, 1, 16, 16)
+
+
+def test_an_image_folder_is_encoded_in_a_shuffled_order_decoding_only_the_shards_it_writes(
+    vae: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Class sub-folders list the images class by class: in that order each shard held one class, and streamed
+    latents (a shuffle buffer of about a shard) gave batches of a few classes. The folder was also decoded whole
+    into RAM before the first shard, and again by a rerun that had nothing left to encode."""
+    from PIL import Image
+
+    from ddpm.data.image_folder import ImageFolderSource
+    from ddpm.data.latent_shards import read_shard
+
+    images, labels = digits(120)
+    root = tmp_path / "folder"
+    for i, (image, label) in enumerate(zip(images, labels.tolist(), strict=True)):
+        (root / f"class_{label}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0].numpy()).save(root / f"class_{label}" / f"{i:04d}.png")
+    decoded = []
+    real_decode = ImageFolderSource.decode
+    monkeypatch.setattr(ImageFolderSource, "decode", lambda self, files, **kw: decoded.append(len(files)) or
+                        real_decode(self, files, **kw))  # fmt: skip
+    args = [f"vae={vae}", f"out={tmp_path / 'out'}", "data=image_folder", f"data.root={root}", "data.image_size=16",
+            "data.channels=1", "samples_per_shard=24"]  # fmt: skip
+    with pytest.warns(UserWarning, match=r"data.hflip=true: the latents are of the images as they are"):
+        meta = encode(args)  # image_folder's default flips: not in the latents
+    assert meta["order"] == "shuffled (seed 0)" and meta["count"] == 120 and decoded == [24] * 5
+    shards = [read_shard(path, read_header(path)) for path in (tmp_path / "out" / name for name in meta["shards"])]
+    assert all(len(set(shard[1].tolist())) >= 6 for shard in shards)  # 24 images of 10 classes each
+    mean = torch.cat([shard[0][:, :2] for shard in shards]).float()  # the folder's images, each once, in a new order
+    theirs, _ = VAE.load(vae).encode(images)
+    match = torch.cdist(mean.flatten(1), theirs.flatten(1)).argmin(1)
+    assert sorted(match.tolist()) == list(range(120)) and match.tolist() != list(range(120))
+    assert torch.equal(torch.cat([shard[1] for shard in shards]), labels[match])
+    decoded.clear()
+    encode([*args, "data.hflip=false"])
+    assert decoded == [] and "encoded 0 images" in capsys.readouterr().out

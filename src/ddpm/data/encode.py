@@ -101,6 +101,7 @@ def plan_of(cfg: DictConfig) -> tuple[Plan, Any, VAE]:
         "stored": STORED,
         "samples_per_shard": settings["samples_per_shard"],
         "data": data,
+        **getattr(images, "header", {}),  # an image folder's order
     }
     plan = Plan(header=header, **{k: v for k, v in settings.items() if k != "samples_per_shard"})
     return plan, images, vae

@@ -1,12 +1,14 @@
 """What `python -m ddpm.data.encode` checks before encoding: its settings, the images of the data config (a RAM
 source or streamed WebDataset shards) and the output folder (never another encoding's)."""
 
+import functools
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
@@ -79,6 +81,39 @@ class RAMImages:
 
 
 @dataclass
+class FolderImages:
+    """An image folder's files in a seeded random order, decoded chunk by chunk (only the chunks encoded, in the
+    worker that encodes them). Its class sub-folders list the images class by class: streamed latents in that order
+    gave batches of a few classes (a shuffle buffer holds about one shard)."""
+
+    files: list[tuple[Path, int]]  # (image, label), shuffled
+    decode: Callable[[list[tuple[Path, int]]], tuple[Tensor, Tensor]]  # ImageFolderSource.decode at the size
+    num_classes: int | None
+    header: ClassVar[dict[str, str]] = {"order": "shuffled (seed 0)"}  # in every shard's header and meta.json
+    SEED: ClassVar[int] = 0
+
+    @classmethod
+    def of(cls, source: Any, image_size: int, channels: int, limit: int | None) -> "FolderImages":
+        files = source.labelled_files()[:limit]  # the images the pixel run with this data.limit trains on
+        order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cls.SEED)).tolist()
+        decode = functools.partial(source.decode, image_size=image_size, channels=channels)
+        return cls([files[i] for i in order], decode, source.num_classes())
+
+    @property
+    def count(self) -> int:
+        return len(self.files)
+
+    def chunks(self, size: int) -> Iterator[Chunk]:
+        for index, first in enumerate(range(0, len(self.files), size)):
+            rows = self.files[first : first + size]
+            yield index, first, len(rows), lambda rows=rows: self._load(rows)
+
+    def _load(self, rows: list[tuple[Path, int]]) -> tuple[Tensor, Tensor]:
+        images, labels = self.decode(rows)
+        return images, labels if self.num_classes is not None else torch.full_like(labels, -1)
+
+
+@dataclass
 class StreamImages:
     """WebDataset shards read in order (data.urls, then data.val_urls); only the chunks encoded are decoded."""
 
@@ -121,6 +156,7 @@ class StreamImages:
 def images_of(data: dict[str, Any], vae: VAE) -> tuple[RAMImages | StreamImages, dict[str, Any]]:
     """The images of the data config node `data` at the VAE's channels, and the node as encoded."""
     from ddpm.config.build import build
+    from ddpm.data.image_folder import ImageFolderSource
     from ddpm.data.ram import RAMDataModule, validate_image_set
     from ddpm.data.shards import expand_urls
     from ddpm.data.webdataset import WebDataModule
@@ -131,11 +167,16 @@ def images_of(data: dict[str, Any], vae: VAE) -> tuple[RAMImages | StreamImages,
         raise ValueError(f"data.channels={data['channels']} but the VAE ({vae.folder}) encodes {vae.in_channels}-"
                          f"channel images; set data.channels={vae.in_channels} or null")  # fmt: skip
     data = data | {"channels": vae.in_channels}
+    if data.get("hflip"):
+        warnings.warn("data.hflip=true: the latents are of the images as they are (no flipped copies); a latent "
+                      "run trains without flips. data.hflip=false says so and silences this", stacklevel=2)  # fmt: skip
     try:
         vae.latent_shape(data["image_size"])
     except ValueError as error:
         raise ValueError(f"data.image_size: {error}; set data.image_size to a multiple of it") from error
     datamodule = build(data)
+    if isinstance(datamodule, RAMDataModule) and isinstance(datamodule.source, ImageFolderSource):
+        return FolderImages.of(datamodule.source, datamodule.image_size, vae.in_channels, datamodule.limit), data
     if isinstance(datamodule, RAMDataModule):
         datamodule.prepare_data()
         datamodule._check_ram()

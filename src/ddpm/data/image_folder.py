@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from ddpm.data.images import PILLOW_MAX_PIXELS, centre_crop, open_image
 from ddpm.data.sources import ImageSet, require, require_dir
@@ -67,13 +68,25 @@ class ImageFolderSource:
         return [path for path, _ in self._files()]
 
     def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
-        mode = "L" if channels == 1 else "RGB"
         files = self._files()[:limit]  # only these are decoded
+        images, labels = self.decode(files, image_size=image_size, channels=channels)
+        num_classes = self.num_classes()
+        names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
+        return ImageSet(images=images, labels=labels, num_classes=num_classes, class_names=names)
+
+    def num_classes(self) -> int | None:
+        return len(self._classes()) if self.conditional else None  # every class folder holds images
+
+    def labelled_files(self) -> list[tuple[Path, int]]:
+        """(image, label) in class order (labels all 0 when not conditional)."""
+        return self._files() if self.conditional else [(path, 0) for path, _ in self._files()]
+
+    def decode(self, files: list[tuple[Path, int]], *, image_size: int, channels: int | None) -> tuple[Tensor, Tensor]:
+        """(images (N, C, image_size, image_size) uint8, labels (N,) int64) of (image, label) pairs."""
+        mode = "L" if channels == 1 else "RGB"
         images = torch.empty(len(files), 1 if mode == "L" else 3, image_size, image_size, dtype=torch.uint8)
         for i, (path, _) in enumerate(files):
             image = open_image(path, mode, name=str(path), max_pixels=self.max_pixels, setting=self.setting)
             images[i] = centre_crop(image, image_size)
-        labels = torch.tensor([label for _, label in files]) if self.conditional else torch.zeros(len(files))
-        num_classes = len(self._classes()) if self.conditional else None  # every class folder holds images
-        names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
-        return ImageSet(images=images, labels=labels.long(), num_classes=num_classes, class_names=names)
+        labels = torch.tensor([label for _, label in files], dtype=torch.int64)
+        return images, labels if self.conditional else torch.zeros_like(labels)

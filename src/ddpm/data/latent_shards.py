@@ -1,7 +1,8 @@
 """The encoded-latents format: WebDataset tar shards of a VAE's posteriors, and the folder's meta.json.
 
     <out>/meta.json                   what the folder holds (below), written last, when every shard is whole
-    <out>/latents-000000.tar, ...     `samples_per_shard` images each, in the source's order
+    <out>/latents-000000.tar, ...     `samples_per_shard` images each, in the source's order (an
+                                      image folder's shuffled, seeded: its files come class by class)
 
 A shard's first member, `__meta__.json`, is the folder's meta without `count` and `shards` (a streamed source's
 size is known only at the end) and with `first` and `samples`: the global index of its first image and how many
