@@ -162,7 +162,6 @@ def test_run_folder_rule_for_checkpoint_folders_requeues_and_other_ranks(tmp_pat
     (outside / "step_0000001.ckpt").write_bytes(b"x")
     with pytest.raises(RunFolderTaken, match=r"callbacks\.checkpoint\.dirpath="):
         claim_run(run, ckpt_path=None, overwrite=False, checkpoint_dirs=[outside])
-    run.mkdir()
     (run / "config.yaml").write_text("{}")
     (run / "hpc_ckpt_2.ckpt").write_bytes(b"x")
     (run / "hpc_ckpt_10.ckpt").write_bytes(b"x")

@@ -5,6 +5,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -348,6 +349,21 @@ def test_sample_py_into_a_folder_holding_samples_is_refused_unless_overwrite(tmp
     refused = sample(f"ckpt={run}/ema.pt", "num_samples=4", f"output_dir={run}", "overwrite=true", check=False)
     assert refused.returncode != 0 and f"output_dir={run} holds a training run" in refused.stderr, refused.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == kept
+    assert not list(tmp_path.rglob(".running"))  # each call's mark went with it
+
+    # Two calls into one folder at once (the same output_dir, or the default folder's second): both passed the
+    # check before either wrote, both exited 0, and the later one's files replaced the other's.
+    other, busy = tmp_path / "other", subprocess.Popen(["sleep", "60"])
+    other.mkdir()
+    (other / ".running").write_text(f"{socket.gethostname()} {busy.pid}")  # a live call that has not written yet
+    try:
+        refused = sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"output_dir={other}", check=False)
+    finally:
+        busy.kill(), busy.wait()
+    assert refused.returncode != 0 and f"is being written by another process (pid {busy.pid}" in refused.stderr
+    assert "give each call its own output_dir" in refused.stderr and not (other / "samples.npz").exists()
+    sample(f"ckpt={run}/ema.pt", "num_samples=4", "sampler.steps=2", f"output_dir={other}")  # that one is gone
+    assert (other / "samples.npz").is_file() and not (other / ".running").exists()
 
 
 def test_output_dir_names_hydras_run_folder_unless_one_is_named() -> None:

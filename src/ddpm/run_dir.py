@@ -14,13 +14,21 @@ folder (Hydra turns a callback's exception into a warning, so a refusal there is
 it again, to runs started without Hydra, to multirun jobs, and to checkpoint folders outside the run folder. A
 sweep folder (`hydra.sweep.dir`) that holds an earlier sweep is refused, or moved aside, the same way, except an
 Optuna study's own folder, which the same command continues (`continues_study`).
-Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed.
+Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed. A
+claimed folder holds `.running` (host and pid, created exclusively, removed at exit) while its process lives: two
+calls started in the same second (the default folders' time stamp) or given the same folder both passed the result
+check before either had written, and the later one's files replaced the earlier one's.
 """
 
+import atexit
 import json
+import os
 import shutil
+import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +36,7 @@ from typing import Any, Literal
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from ddpm.atomic import process_alive
 from ddpm.ranks import first_process
 
 RUN_FILES = ("config.yaml", "resume_diff.yaml", "result.json", "ema.pt", "ema.safetensors", "checkpoints", "samples",
@@ -38,6 +47,7 @@ SAMPLE_FILES = ("grid.png", "samples.npz", "metrics.json")  # what a sample.py c
 SAMPLE_COMPANIONS = (".hydra", "sample.log")  # Hydra's files of that call, moved aside with its samples
 # What only a train.py run writes (an ema.pt or config.yaml alone may be a model a user keeps beside its samples)
 TRAINING_RUN = ("train.log", "checkpoints", "result.json", "resume_diff.yaml", "hpc_ckpt_*.ckpt")
+RUNNING = ".running"  # "<host> <pid>" of the process writing into a claimed folder
 REPLACED = "replaced-"  # prefix of the folders that old runs move into
 WORK = ("checkpoints", "ema.pt", "ema.safetensors", "samples", "hpc_ckpt_*.ckpt", "lr_find.*")  # a run's own work
 
@@ -69,8 +79,10 @@ def claim(
     companions: tuple[str, ...] = (),  # entries moved along with the results, where present
 ) -> Path | None:
     """Refuse, or move aside, another run's results in `folder`; the replaced-* folder if files moved."""
+    resumes = inside(ckpt_path, folder)
+    hold(folder, key, replace=resumes)
     found = held(folder, patterns)
-    if not found or inside(ckpt_path, folder):
+    if not found or resumes:
         return None
     failed = failed_start(folder, found) and not overwrite
     if not overwrite and not failed:
@@ -78,12 +90,69 @@ def claim(
     if failed:  # only the failed run's own files (a folder may hold the user's: hydra.run.dir=.)
         names = [*found, *(name for name in (".hydra", "train.log") if (folder / name).exists())]
     elif everything:
-        names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED)]
+        names = [p.name for p in folder.iterdir() if not p.name.startswith(REPLACED) and p.name != RUNNING]
     else:
         names = found
     names += [name for name in companions if (folder / name).exists()]
     why = "a run that failed before its first checkpoint" if failed else "overwrite=true"
     return move_aside(folder, sorted({name.split("/")[0] for name in names}), why)
+
+
+def hold(folder: Path, key: str, *, replace: bool = False) -> None:
+    """Mark `folder` as this process's until `release()` (the entry points' end, or exit) with `RUNNING`, created
+    exclusively, or refuse it while another live process holds it. A mark left by a process that is gone (this host)
+    is taken over; `replace`: a resume in place takes over any (a requeued job, on any host)."""
+    mark, me = folder / RUNNING, f"{socket.gethostname()} {os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # not a folder (a path under a file): the writer's own check names it
+    for _ in range(2):
+        try:
+            with open(mark, "x") as f:
+                f.write(me)
+        except FileExistsError:
+            host, _, pid = (mark.read_text(errors="replace") if mark.is_file() else "").partition(" ")
+            if f"{host} {pid}" == me:
+                return
+            alive = host != socket.gethostname() or (pid.isdigit() and process_alive(int(pid)))
+            if alive and not replace:
+                raise RunFolderTaken(
+                    f"{key}={folder} is being written by another process (pid {pid or '?'} on {host or '?'}, started "
+                    f"at the same time or given the same folder): give each call its own {key}. If that process is "
+                    f"gone, delete {mark}"
+                ) from None
+            mark.unlink(missing_ok=True)  # a killed process's mark
+            continue
+        if not _HELD:
+            atexit.register(release)
+        _HELD.append((mark, me))
+        return
+
+
+_HELD: list[tuple[Path, str]] = []  # this process's marks
+
+
+@contextmanager
+def holding() -> Iterator[None]:
+    """An entry point's body (train(), sample(); as their decorator): the folder marks taken within go when it ends
+    (a multirun's sweep folder stays marked across its jobs)."""
+    before = len(_HELD)
+    try:
+        yield
+    finally:
+        release(keep=before)
+
+
+def release(keep: int = 0) -> None:
+    """Remove this process's marks but the first `keep` (each where it is still this process's)."""
+    while len(_HELD) > keep:
+        mark, me = _HELD.pop()
+        try:
+            if mark.read_text() == me:
+                mark.unlink()
+        except OSError:
+            pass
 
 
 def failed_start(folder: Path, found: list[str]) -> bool:

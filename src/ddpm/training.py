@@ -34,7 +34,7 @@ from ddpm.resume import (
     resolve_ckpt_path,
     world_of,
 )
-from ddpm.run_dir import claim_run
+from ddpm.run_dir import claim_run, holding
 from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import check_objective, finish_wandb, name_wandb_run
 from ddpm.tuning import run_tuning
@@ -163,6 +163,7 @@ def with_latent(resolved: dict[str, Any]) -> dict[str, Any]:
     return resolved | {"latent": record}
 
 
+@holding()
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; returns the final value of `cfg.objective` (val/loss by default), or None."""
     name_wandb_run(cfg)  # logger.wandb name and group from the Hydra overrides and sweep dir, where null

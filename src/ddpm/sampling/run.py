@@ -25,7 +25,7 @@ from ddpm.metrics.evaluate import generate_sharded, shard
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.ranks import init_from_env, world
-from ddpm.run_dir import SAMPLE_FILES, claim, refuse_training_run
+from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
 from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
 from ddpm.sampling.runtime import (
     check_guidance,
@@ -102,6 +102,7 @@ def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.dev
     )
 
 
+@holding()
 def sample(cfg: DictConfig) -> Generated:
     """Run the sampling described by conf/sample.yaml; returns the images and their labels."""
     keys = SampleKeys.of(validate_config(cfg, entry="sample"))  # types, ranges, unknown keys; 2e1 becomes 20
