@@ -20,7 +20,7 @@ from ddpm.diffusion.generate import to_uint8
 from ddpm.diffusion.network import compile_network
 from ddpm.metrics.features import file_digest
 from ddpm.metrics.fid import DEFAULT_CACHE_DIR
-from ddpm.sampling.runtime import guidance_interval, load_decoder, resolve_sampling_precision
+from ddpm.sampling.runtime import default_batch_size, guidance_interval, load_decoder, resolve_sampling_precision
 from ddpm.weights import load_model
 
 SMOKE = {"num_samples": 8, "resamples": 20, "guidance": "0", "reference": "dpm++sde15", "sampler": "ddim4",
@@ -73,8 +73,9 @@ class Rows:
             vae = load_decoder(loaded.config.get("latent"), self.device)  # a latent model: decoded as sample.py does
             options = {"precision": args.precision, "seed": args.seed, "decode": vae.decode if vae else None,
                        "compile": args.compile, "compile_backend": args.compile_backend}  # fmt: skip
-            for g in [float(g) for g in args.guidance.split(",")] if args.compile else []:  # the compile: untimed
-                common.draw(net, loaded.diffusion, common.sampler("ddim", 2), 2, self.device, guidance=g, **options)
+            for g in [float(g) for g in args.guidance.split(",")] if args.compile else []:  # the compile: untimed,
+                rows = min(default_batch_size(self.device, guided=g != 0), args.num_samples)  # at the timed shape
+                common.draw(net, loaded.diffusion, common.sampler("ddim", 2), rows, self.device, guidance=g, **options)
             self.models[path] = net, loaded.diffusion, options, vae
         return self.models[path]
 
@@ -96,7 +97,8 @@ class Rows:
         where = (f"_i{limited[0]:g}-{limited[1]:g}" if limited else "") + ("" if args.precision == "32" else
                                                                             f"_{args.precision}")  # fmt: skip
         tag = f"{path.parent.name}_{file_digest(path)}"  # two runs in folders of the same name are not mixed up
-        file = self.folder / f"{tag}_{sampler}_w{guidance:g}{where}_{args.num_samples}_{self.scorer.name}.pt"
+        seed = f"_s{args.seed}" if args.seed else ""  # seed 0: the files' names before --seed
+        file = self.folder / f"{tag}_{sampler}_w{guidance:g}{where}{seed}_{args.num_samples}_{self.scorer.name}.pt"
         if file.is_file():
             scored = self.scorer.score(file=file)
         else:

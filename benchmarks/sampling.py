@@ -84,7 +84,7 @@ def load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]
 
 class InProcess:
     """Draws rows on one network: each layout's copy made once, each compiled shape compiled once; a row's first use
-    of a network is one untimed batch (kernel set-up; compiled: the compile, kept as compile_s)."""
+    of a network is one untimed batch (kernel set-up; compiled: the compile and one batch, kept as compile_s)."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.net, self.diffusion, self.vae = load(args, device)
@@ -159,7 +159,7 @@ def show(results: list[dict]) -> str:
                      fid and f"{fid['value']:.2f} [{fid['low']:.2f}, {fid['high']:.2f}]", px and f"{px['differ']:.2%}",
                      px and f"{px['mean']:.2f} / {px['max']}"])  # fmt: skip
     return common.table(["row", "calls", "batch", "precision, options", "images/s [min-max]", "vs first [min-max]",
-                         "compile s", "wall s", "cfid [95%]", "values differ", "mean / max"], rows)  # fmt: skip
+                         "first batch s", "wall s", "cfid [95%]", "values differ", "mean / max"], rows)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
