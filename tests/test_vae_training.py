@@ -5,6 +5,7 @@ its scaling), checked against independent computations."""
 import csv
 import json
 import re
+import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -207,3 +208,15 @@ def test_scaling_images_are_the_training_split_in_order() -> None:
     torch.testing.assert_close(torch.cat(list(training_images(data, None, batch_size=32))), split, rtol=0, atol=0)
     first = list(training_images(data, 40, batch_size=32))  # module.scaling_images=40
     assert [len(b) for b in first] == [32, 8] and torch.equal(torch.cat(first), split[:40])
+
+
+@pytest.mark.slow
+def test_a_vae_run_stopped_while_writing_its_folder_is_told_how_to_write_it(run: Path, tmp_path: Path) -> None:
+    """Resumed at its last step, a run is refused (nothing to train). The refusal sent a VAE run to its ema.pt and
+    python -m ddpm.export, which a VAE run has not and which does not read a VAE; the fix it names now writes vae/."""
+    copy = shutil.copytree(run, tmp_path / "run")
+    shutil.rmtree(copy / "vae")  # killed in write_exports
+    refused = train(*SHRUNK, "trainer.max_steps=6", f"ckpt_path={copy}", f"hydra.run.dir={copy}", check=False)
+    assert refused.returncode != 0 and "trainer.max_steps=7 trains one step and writes it" in refused.stderr
+    train(*SHRUNK, "trainer.max_steps=7", f"ckpt_path={copy}", f"hydra.run.dir={copy}")
+    assert json.loads((copy / "vae" / "config.json").read_text())["scaling_factor"] > 0

@@ -188,7 +188,8 @@ def train(cfg: DictConfig) -> float | None:
     start_step, before = 0, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder
         checkpoint = load_training_checkpoint(ckpt_path)
-        check_steps_left(ckpt_path, int(checkpoint["global_step"]), resolved.get("trainer", {}).get("max_steps", -1))
+        check_steps_left(ckpt_path, int(checkpoint["global_step"]), resolved.get("trainer", {}).get("max_steps", -1),
+                         vae=resolved["module"]["_target_"] == "ddpm.vae_module.VAEModule")  # fmt: skip
         check_resume(ckpt_path, resolved, output_dir, checkpoint=checkpoint, write=first_process())  # breaking changes
         start_step, before = int(checkpoint["global_step"]), checkpoint_world(checkpoint)
         del checkpoint
@@ -244,13 +245,15 @@ def train(cfg: DictConfig) -> float | None:
     return objective_value(trainer, keys.objective)
 
 
-def check_steps_left(ckpt_path: Path, step: int, max_steps: int) -> None:
+def check_steps_left(ckpt_path: Path, step: int, max_steps: int, *, vae: bool = False) -> None:
     """A resume from a checkpoint at or past trainer.max_steps would train nothing: refused up front."""
     if max_steps is not None and max_steps >= 0 and step >= max_steps:
+        kept = (f"a VAE run writes its <run>/vae/ folder when a fit ends: without one (a run stopped while writing "
+                f"it), trainer.max_steps={step + 1} trains one step and writes it" if vae else "its EMA weights are "
+                "already in its ema.pt: python -m ddpm.export or sample.py read them")  # fmt: skip
         raise NoTrainingStep(
             f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to train; "
-            f"raise trainer.max_steps (e.g. trainer.max_steps={step + max(step, 1)}) to continue the run "
-            "(its EMA weights are already in its ema.pt: python -m ddpm.export or sample.py read them)"
+            f"raise trainer.max_steps (e.g. trainer.max_steps={step + max(step, 1)}) to continue the run ({kept})"
         )
 
 
