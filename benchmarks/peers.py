@@ -32,7 +32,8 @@ SMOKE = {"batch_size": 8, "steps_train": 1, "num_samples": 4, "sample_batch": 4,
 ROWS = {"ours": "lightning-ddpm (Trainer + callbacks)", "ours_bare": "lightning-ddpm, bare loop (no Lightning)",
         "dd_pytorch": "denoising-diffusion-pytorch", "diffusers": "diffusers"}  # fmt: skip
 NUM_CLASSES, CHANNELS, IMAGE_SIZE, TIMESTEPS, P_UNCOND = 10, 1, 32, 1000, 0.1
-DD_PYTORCH_UNET = {"dim": 26, "dim_mults": (1, 2, 2)}  # 1,117,351 parameters (unet_mnist: 1,114,209)
+DD_PYTORCH_UNET = {"dim": 26, "dim_mults": (1, 2, 2)}  # 1,117,351 parameters (experiment=mnist: 1,114,209
+# at 4fac82e, peers_cpu.json; 1,192,641 since its FiLM scale-shift: the peer now has 6% fewer, at 490 MFLOP vs 493)
 # Each build_<row>(setup) returns a Tool: net and forward(x, t, y) (parameters, FLOPs), options (what it ran with),
 # train(n): seconds of n timed optimizer steps after one untimed, sample(labels): uint8 images on the CPU, or None.
 # setup: args, device, bf16 (autocast / weights only where bf16 is faster than float32), data (MNIST in RAM), folder.
