@@ -209,11 +209,14 @@ def test_ctrl_c_stops_a_real_run_with_workers_and_the_run_resumes(tmp_path: Path
     process = start_train(run_dir, log, "data.num_workers=2")
     try:
         wait_for(run_dir / "checkpoints" / "step_0000003.ckpt", process, log)
+        running = json.loads((run_dir / "result.json").read_text())["status"]
         os.killpg(process.pid, signal.SIGINT)
     finally:
         code = finish(process)
     output = log.read_text()
     assert code == EXIT_INTERRUPTED, output[-3000:]
+    stopped = json.loads((run_dir / "result.json").read_text())  # a SystemExit: Hydra's on_job_end never ran
+    assert running == "RUNNING" and stopped["status"] == "PREEMPTED" and "ckpt_path=" in stopped["error"]
     assert "exited unexpectedly" not in output and "KeyboardInterrupt" not in output
     assert output.count("Ctrl-C: saving") == 1  # said by the main process only, not by the workers it forked
     last = run_dir / "checkpoints" / "last.ckpt"

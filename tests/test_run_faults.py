@@ -24,7 +24,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from ddpm.resume import check_resume, hpc_checkpoint, requeued_from, resolve_ckpt_path
-from ddpm.run_dir import RUN_FILES, RunFolderGuard, RunFolderTaken, claim_run
+from ddpm.run_dir import RUN_FILES, RunFolderGuard, RunFolderTaken, claim_run, release
 from ddpm.weights import CheckpointError
 
 LR = 1e-3  # optim.lr at optim.base_batch_size=32; optim.scaling=linear: 2e-3 for the 2-process global batch of 64
@@ -166,7 +166,9 @@ def test_run_folder_rule_for_checkpoint_folders_requeues_and_other_ranks(tmp_pat
     (run / "hpc_ckpt_2.ckpt").write_bytes(b"x")
     (run / "hpc_ckpt_10.ckpt").write_bytes(b"x")
     assert hpc_checkpoint(run) == run / "hpc_ckpt_10.ckpt"  # Lightning's SLURM requeue: resumes in place
+    release()  # each claim_run here stands for a process of its own (a process's marks go at its exit)
     claim_run(run, ckpt_path=hpc_checkpoint(run), overwrite=False)
+    release()
     with pytest.raises(RunFolderTaken):
         claim_run(run, ckpt_path=None, overwrite=False)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP child writes into the folder rank 0 claimed
@@ -338,3 +340,22 @@ def test_a_run_refused_at_start_up_does_not_block_the_corrected_command(tmp_path
     assert json.loads((aside / "result.json").read_text())["status"] == "FAILED" and (run / "notes.txt").is_file()
     with pytest.raises(RunFolderTaken, match="already holds another run's results"):
         claim_run(run, ckpt_path=None, overwrite=False)
+
+
+def test_a_job_killed_before_its_first_checkpoint_does_not_block_the_next(tmp_path: Path) -> None:
+    """Each job's result.json says RUNNING until it ends; one killed (SIGKILL, out of memory) before any work keeps
+    it, and a new run into its folder moves it aside as a failed start's (its process, the folder's mark, is gone).
+    A killed job with checkpoints is still another run's: refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps({"overrides": [], "status": "RUNNING"}))
+    claim_run(run, ckpt_path=None, overwrite=False)
+    (aside,) = run.glob("replaced-*")
+    assert json.loads((aside / "result.json").read_text())["status"] == "RUNNING"
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    (other / "result.json").write_text(json.dumps({"overrides": [], "status": "RUNNING"}))
+    with pytest.raises(RunFolderTaken, match="already holds another run's results"):
+        claim_run(other, ckpt_path=None, overwrite=False)
+    assert not (other / ".running").exists()  # a refused run holds nothing

@@ -166,3 +166,29 @@ def test_eta_and_lr_find_debiasing() -> None:
     # Lightning's smoothed loss of a constant 1.0 loss: running mean debiased by 1 - 0.98**(i + 2).
     lightning = [(1 - 0.98 ** (i + 1)) / (1 - 0.98 ** (i + 2)) for i in range(5)]
     assert unbias(lightning) == pytest.approx([1.0] * 5)
+
+
+def wandb_run(run_dir: Path) -> dict[str, list]:
+    """The records of the one offline W&B run under `run_dir`, by type."""
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    by_type: dict[str, list] = {}
+    for record in wandb_records(next(offline.glob("*.wandb"))):
+        by_type.setdefault(record.WhichOneof("record_type"), []).append(record)
+    return by_type
+
+
+@pytest.mark.slow
+def test_a_resume_continues_its_wandb_run_and_a_failure_after_fit_is_a_failed_run(tmp_path: Path) -> None:
+    """Each resume (or SLURM requeue) began a new W&B run, splitting the curves; a job that failed after fit (here:
+    no step taken, max_time 0) was finished in W&B as a success before the failure."""
+    first, resumed, failed = tmp_path / "first", tmp_path / "resumed", tmp_path / "failed"
+    wandb = ["logger=[csv,wandb]"]
+    train(*TINY_RUN, *wandb, "trainer.max_steps=3", f"hydra.run.dir={first}", extra_env=wandb_dirs(tmp_path))
+    train(*TINY_RUN, *wandb, f"ckpt_path={first}", f"hydra.run.dir={resumed}", extra_env=wandb_dirs(tmp_path))
+    (one,), (two,) = wandb_run(first)["run"], wandb_run(resumed)["run"]
+    assert two.run.run_id == one.run.run_id and "ckpt_path" not in two.run.display_name
+    assert [r.exit.exit_code for r in wandb_run(resumed)["exit"]] == [0]
+    result = train(*TINY_RUN, *wandb, "+trainer.max_time=00:00:00:00", f"hydra.run.dir={failed}", check=False,
+                   extra_env=wandb_dirs(tmp_path))  # fmt: skip
+    assert result.returncode == 1 and json.loads((failed / "result.json").read_text())["status"] == "FAILED"
+    assert [r.exit.exit_code for r in wandb_run(failed)["exit"]] == [1]

@@ -80,12 +80,14 @@ def claim(
 ) -> Path | None:
     """Refuse, or move aside, another run's results in `folder`; the replaced-* folder if files moved."""
     resumes = inside(ckpt_path, folder)
-    hold(folder, key, replace=resumes)
+    if not hold(folder, key, replace=resumes):
+        return None  # this process claimed it already (Hydra's RunFolderGuard, then train() or sample())
     found = held(folder, patterns)
     if not found or resumes:
         return None
     failed = failed_start(folder, found) and not overwrite
     if not overwrite and not failed:
+        release(keep=len(_HELD) - 1)  # its mark, taken above: a refused run holds nothing
         raise RunFolderTaken(taken_message(folder, found, key))
     if failed:  # only the failed run's own files (a folder may hold the user's: hydra.run.dir=.)
         names = [*found, *(name for name in (".hydra", "train.log") if (folder / name).exists())]
@@ -98,15 +100,16 @@ def claim(
     return move_aside(folder, sorted({name.split("/")[0] for name in names}), why)
 
 
-def hold(folder: Path, key: str, *, replace: bool = False) -> None:
+def hold(folder: Path, key: str, *, replace: bool = False) -> bool:
     """Mark `folder` as this process's until `release()` (the entry points' end, or exit) with `RUNNING`, created
     exclusively, or refuse it while another live process holds it. A mark left by a process that is gone (this host)
-    is taken over; `replace`: a resume in place takes over any (a requeued job, on any host)."""
+    is taken over; `replace`: a resume in place takes over any (a requeued job, on any host). False: this process
+    holds it already."""
     mark, me = folder / RUNNING, f"{socket.gethostname()} {os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
-        return  # not a folder (a path under a file): the writer's own check names it
+        return True  # not a folder (a path under a file): the writer's own check names it
     for _ in range(2):
         try:
             with open(mark, "x") as f:
@@ -114,7 +117,7 @@ def hold(folder: Path, key: str, *, replace: bool = False) -> None:
         except FileExistsError:
             host, _, pid = (mark.read_text(errors="replace") if mark.is_file() else "").partition(" ")
             if f"{host} {pid}" == me:
-                return
+                return False
             alive = host != socket.gethostname() or (pid.isdigit() and process_alive(int(pid)))
             if alive and not replace:
                 raise RunFolderTaken(
@@ -127,7 +130,8 @@ def hold(folder: Path, key: str, *, replace: bool = False) -> None:
         if not _HELD:
             atexit.register(release)
         _HELD.append((mark, me))
-        return
+        return True
+    return True
 
 
 _HELD: list[tuple[Path, str]] = []  # this process's marks
@@ -156,13 +160,13 @@ def release(keep: int = 0) -> None:
 
 
 def failed_start(folder: Path, found: list[str]) -> bool:
-    """Whether the folder holds a FAILED result.json and no trained work (WORK: checkpoints, EMA weights, grids, an LR
-    range test): a run refused at start-up (a typo in data.root) or failed before its first checkpoint. Its files
-    move aside instead of refusing the corrected command."""
+    """Whether the folder holds a FAILED (or RUNNING: killed, its mark gone) result.json and no trained work (WORK:
+    checkpoints, EMA weights, grids, an LR range test): a run refused at start-up (a typo in data.root) or failed
+    before its first checkpoint. Its files move aside instead of refusing the corrected command."""
     if "result.json" not in found or any(fnmatch(name.split("/")[0], pattern) for name in found for pattern in WORK):
         return False
     try:
-        return json.loads((folder / "result.json").read_text()).get("status") == "FAILED"
+        return json.loads((folder / "result.json").read_text()).get("status") in ("FAILED", "RUNNING")  # killed
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -35,8 +35,9 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, open_dict
 
 from ddpm.atomic import atomic_write_text
+from ddpm.job_end import RESULT_FILE
+from ddpm.ranks import first_process
 
-RESULT_FILE = "result.json"
 SUMMARY_FILE = "summary.csv"
 MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
 FID_NAMES = {"fid": ("fid",), "kid": ("kid", "kid_std"), "is": ("is", "is_std")}  # ddpm.metrics.fid.compute_metrics
@@ -60,14 +61,13 @@ def name_wandb_run(cfg: DictConfig) -> None:
             node.group = str(hydra.sweep.dir)  # every job of one sweep shares it
 
 
-def finish_wandb(loggers: list[Any], exit_code: int | None = None) -> None:
-    """Close the W&B run (`exit_code` 1: marked failed), so the next job of an in-process multirun starts its own
-    (WandbLogger does not)."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    for logger in loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger.experiment.finish(exit_code=exit_code)
+def continue_wandb_run(cfg: DictConfig, run_id: str | None) -> None:
+    """A resume continues its checkpoint's W&B run (`run_id`, ddpm.job_end.KeepWandbRun), under that run's name,
+    where `logger.wandb.id` is null (before: each resume or requeue began a new W&B run, splitting the curves)."""
+    node = (cfg.get("logger") or {}).get("wandb")
+    if node is not None and run_id is not None and node.get("id") is None:
+        with open_dict(node):
+            node.id, node.resume, node.name = run_id, "allow", None
 
 
 def check_objective(resolved: dict[str, Any]) -> None:
@@ -197,6 +197,16 @@ class SweepSummary(Callback):
         self._sweep_dir = Path(config.hydra.sweep.dir)
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self._report_stopped)  # the sweeper raised: Hydra exits before on_multirun_end
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """RUNNING until the job ends: a resumed run's folder held its COMPLETED result.json while it ran again,
+        and kept it when the new job was killed."""
+        hydra = HydraConfig.get()
+        if first_process():
+            result = {"overrides": list(hydra.overrides.task), "status": "RUNNING", self.objective: None}
+            folder = Path(hydra.runtime.output_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         hydra = HydraConfig.get()

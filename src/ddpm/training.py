@@ -21,6 +21,7 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
+from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished
 from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
@@ -36,7 +37,7 @@ from ddpm.resume import (
 )
 from ddpm.run_dir import claim_run, holding
 from ddpm.sampling.runtime import check_guidance
-from ddpm.sweep import check_objective, finish_wandb, name_wandb_run
+from ddpm.sweep import check_objective, continue_wandb_run, name_wandb_run
 from ddpm.tuning import run_tuning
 from ddpm.weights.init import load_init
 from ddpm.weights.lightning_io import AtomicCheckpointIO
@@ -185,14 +186,16 @@ def train(cfg: DictConfig) -> float | None:
     if str(cfg.get("compile")).lower() == "auto" and first_process():
         say(compile_note(keys.compile, OmegaConf.select(cfg, "trainer.accelerator")))
     precision = resolved.get("trainer", {}).get("precision")
-    start_step, before = 0, None
+    start_step, before, wandb_run = 0, None, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder
         checkpoint = load_training_checkpoint(ckpt_path)
         check_steps_left(ckpt_path, int(checkpoint["global_step"]), resolved.get("trainer", {}).get("max_steps", -1),
                          vae=resolved["module"]["_target_"] == "ddpm.vae_module.VAEModule")  # fmt: skip
         check_resume(ckpt_path, resolved, output_dir, checkpoint=checkpoint, write=first_process())  # breaking changes
         start_step, before = int(checkpoint["global_step"]), checkpoint_world(checkpoint)
+        wandb_run = checkpoint.get(WANDB_RUN_KEY)
         del checkpoint
+    continue_wandb_run(cfg, wandb_run)  # a resume continues its W&B run
     net = build(cfg.model)
     if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
         load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
@@ -215,7 +218,7 @@ def train(cfg: DictConfig) -> float | None:
     trainer: pl.Trainer = build(
         cfg.trainer,
         precision=precision,
-        callbacks=[*callbacks, RestoreCollectiveTimeout()],  # after the ranks joined (dist_timeout_s)
+        callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # after the ranks joined (dist_timeout_s)
         logger=loggers,
         default_root_dir=str(output_dir),
         plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
@@ -227,22 +230,18 @@ def train(cfg: DictConfig) -> float | None:
         if before is not None:  # world size, global batch and LR before/after, in resume_diff.yaml
             record_world(output_dir, before, world_of(trainer, getattr(datamodule, "batch_size", 0), optim.scaled_lr))
     joining = explain_join_failure(world_size=trainer.world_size, num_nodes=trainer.num_nodes, seconds=timeout)
-    try:
+    with finished(trainer.loggers, output_dir, keys.objective):  # W&B's outcome; a signal's, in result.json
         with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except BaseException:  # a failed job's W&B run too: the next job of the multirun would log into it
-        finish_wandb(trainer.loggers, exit_code=1)
-        raise
-    finish_wandb(trainer.loggers)  # the next job of an in-process multirun gets its own W&B run
-    check_trained(trainer, start_step)  # before anything is exported
-
-    if trainer.is_global_zero and ema.shadow is not None and hasattr(module, "write_exports"):
-        module.write_exports(output_dir, ema)  # a module with its own exports (ddpm.vae_module: <run>/vae/)
-    elif trainer.is_global_zero and ema.shadow is not None:
-        path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
-        safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # the same, unpickle-free
-        say(f"EMA weights: {path} (and {safe.name})")
-    return objective_value(trainer, keys.objective)
+        check_trained(trainer, start_step)  # before anything is exported
+        if trainer.is_global_zero and ema.shadow is not None and hasattr(module, "write_exports"):
+            module.write_exports(output_dir, ema)  # a module with its own exports (ddpm.vae_module: <run>/vae/)
+        elif trainer.is_global_zero and ema.shadow is not None:
+            path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
+            safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # unpickle-free
+            say(f"EMA weights: {path} (and {safe.name})")
+        value = objective_value(trainer, keys.objective)
+    return value
 
 
 def check_steps_left(ckpt_path: Path, step: int, max_steps: int, *, vae: bool = False) -> None:

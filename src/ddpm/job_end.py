@@ -1,0 +1,74 @@
+"""How a training job ends, as its records see it: the W&B run closed (marked failed when the job failed), its id
+kept in every checkpoint for a resume to continue it (`KeepWandbRun`), and `result.json` saying PREEMPTED or
+INTERRUPTED when a signal stopped it.
+
+A signal's stop is a SystemExit (ddpm.callbacks.preemption), which Hydra's run_job does not catch: the summary
+callback's on_job_end never runs, and result.json kept what the folder held before (RUNNING, or a finished run's
+COMPLETED when the run had resumed in place).
+"""
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from ddpm.atomic import atomic_write_text
+from ddpm.callbacks.preemption import Interrupted, Preempted
+from ddpm.ranks import first_process
+
+RESULT_FILE = "result.json"
+WANDB_RUN_KEY = "wandb_run_id"  # a checkpoint's W&B run (KeepWandbRun; ddpm.sweep.name_wandb_run continues it)
+
+
+def finish_wandb(loggers: list[Any], exit_code: int | None = None) -> None:
+    """Close the W&B run (`exit_code` 1: marked failed), so the next job of an in-process multirun starts its own
+    (WandbLogger does not)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger.experiment.finish(exit_code=exit_code)
+
+
+@contextmanager
+def finished(loggers: list[Any], output_dir: Path, objective: str) -> Iterator[None]:
+    """The fit, the exports and the objective's read: W&B finishes with the job's outcome, after all of them (a job
+    that fails after fit is a failed run there too); a signal's stop is written into result.json."""
+    try:
+        yield
+    except BaseException as error:
+        finish_wandb(loggers, exit_code=1)  # a failed job's W&B run too: the next job would log into it
+        if isinstance(error, Preempted | Interrupted) and first_process():
+            write_stopped(output_dir, error, objective)
+        raise
+    finish_wandb(loggers)  # the next job of an in-process multirun gets its own W&B run
+
+
+def write_stopped(folder: Path, stop: Preempted | Interrupted, objective: str) -> Path:
+    """result.json of a job a signal stopped: PREEMPTED (a checkpoint to resume from) or INTERRUPTED (none)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    path = getattr(stop, "path", None)
+    result = {
+        "overrides": overrides,
+        "status": "PREEMPTED" if path is not None else "INTERRUPTED",
+        objective: None,
+        "error": f"stopped by a signal; resume with ckpt_path={path}" if path else "stopped by a second Ctrl-C",
+        "traceback": None,
+    }
+    return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
+
+
+class KeepWandbRun(pl.Callback):
+    """Writes the W&B run's id into every checkpoint (`WANDB_RUN_KEY`), for a resume to continue that run."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and logger._experiment is not None:  # rank 0's, once it logged
+                checkpoint[WANDB_RUN_KEY] = logger.experiment.id
