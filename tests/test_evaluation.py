@@ -9,6 +9,7 @@ import math
 import socket
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -91,3 +92,48 @@ def test_sample_py_metrics_on_one_process_and_under_torchrun_agree(
     single, sharded = np.load(tmp_path / "one" / "samples.npz"), np.load(tmp_path / "two" / "samples.npz")
     np.testing.assert_array_equal(single["labels"], sharded["labels"])
     np.testing.assert_array_equal(single["images"], sharded["images"])
+
+
+class StubFID(FID):
+    """The callback's schedule and logging, its evaluation stubbed: the value is the step it ran at."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pass
+
+    def evaluate(self, trainer, pl_module) -> dict[str, float]:
+        return {"fid@1k": float(trainer.global_step)}
+
+
+class Line(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_fid_values_reach_the_loggers_at_the_step_they_were_measured(tmp_path: Path) -> None:
+    """FID every 3 steps, Lightning writing every 4: self.log's value waited for Lightning's next logging step and
+    was written under it, and the last one (step 6 of 7) never reached metrics.csv, though the objective read it."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    fid = StubFID(sampler=None, every_n_steps=3)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=7, log_every_n_steps=4, callbacks=[fid], logger=CSVLogger(
+        tmp_path, name="csv", version=0), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Line(), DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4))
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    losses = {int(r["step"]) for r in rows if r["train/loss"]}  # Lightning's own rows: global step g at g - 1
+    fids = [(int(r["step"]), float(r["val/fid@1k"])) for r in rows if r["val/fid@1k"]]
+    assert fids == [(2, 3.0), (5, 6.0)] and losses == {3}
+    assert float(trainer.callback_metrics["val/fid@1k"]) == 6.0

@@ -24,7 +24,7 @@ from ddpm.logs import say
 from ddpm.metrics.evaluate import generate_sharded, shard
 from ddpm.metrics.features import build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
-from ddpm.ranks import init_from_env, world
+from ddpm.ranks import first_process, init_from_env, world
 from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
 from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
 from ddpm.sampling.runtime import (
@@ -111,7 +111,7 @@ def sample(cfg: DictConfig) -> Generated:
             "no checkpoint given; pass ckpt=<run dir>/ema.pt (or its ema.safetensors, a checkpoints/*.ckpt, "
             "or a folder written by python -m ddpm.export)"
         )
-    if world()[0] == 0:  # before any work: never over another call's images (ddpm.run_dir's rule)
+    if first_process():  # before any work (and the process group): never over another call's images (run_dir)
         refuse_training_run(Path(keys.output_dir))
         claim(Path(keys.output_dir), ckpt_path=None, overwrite=keys.overwrite, patterns=SAMPLE_FILES, key="output_dir")
         check_output_dir(Path(keys.output_dir))
