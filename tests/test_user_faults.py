@@ -168,12 +168,13 @@ def test_fractional_numbers_for_int_keys_are_refused_naming_the_key(override: st
 @pytest.mark.parametrize(
     ("override", "expected"),
     [(None, 1.0), ("trainer.limit_val_batches=1.0", 1.0), ("trainer.val_check_interval=1.0", 1.0),
-     ("trainer.limit_val_batches=0.5", 0.5), ("trainer.limit_val_batches=2.0", 2), ("trainer.max_steps=1e2", 100)],
+     ("trainer.limit_val_batches=0.5", 0.5), ("trainer.limit_val_batches=2.0", 2), ("trainer.max_steps=1e2", 100),
+     ("data.val_size=1e2", 100), ("data.val_size=0.5", 0.5)],
 )  # fmt: skip
 def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: str | None, expected) -> None:
     """Lightning reads a float limit as a fraction and an int as a count: limit_val_batches=1.0 (the default) is
     every validation batch, 1 a single one (before: every run validated on one batch). A whole float above 1 can
-    only be a count."""
+    only be a count (data.val_size=1e2 was refused: its hint `float | int` kept 100.0 a float)."""
     cfg = composed(*([override] if override else []))
     validate_config(cfg, entry="train")
     key = override.split("=")[0] if override else "trainer.limit_val_batches"
@@ -371,3 +372,28 @@ def test_output_dir_names_hydras_run_folder_unless_one_is_named() -> None:
         "sample.py", "ckpt=a", "output_dir=out/x", "hydra.run.dir=out/x"]  # fmt: skip
     for kept in (["sample.py", "output_dir=x", "hydra.run.dir=y"], ["sample.py", "-m", "output_dir=x"], ["sample.py"]):
         assert follow_output_dir(kept) == kept
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (["module=vae", "model=vae_mnist", "~diffusion", "callbacks=vae"],
+         r"callbacks\.sample_grid=\{'every_n_steps': 1500, 'sampler': \{'steps': 100\}\} has no _target_"),
+        (["ema=null"], r"ema=None: every run keeps an EMA .* ema\.decay=0 keeps the live weights"),
+    ],
+)  # fmt: skip
+def test_a_node_without_its_config_is_refused_before_it_is_built(overrides: list[str], refusal: str) -> None:
+    """The default experiment's sample-grid keys merged onto callbacks=vae's sample_grid: null made a dict without
+    _target_, built into a DictConfig that Lightning took for a callback (crashing after setup); ema=null crashed
+    inside Lightning. Both are refused by the validator, naming the key."""
+    with pytest.raises(ConfigValueError, match=refusal):
+        validate_config(composed(*overrides), entry="train")
+    validate_config(composed(*overrides, "~experiment") if "~diffusion" in overrides else composed(), entry="train")
+
+
+def test_a_study_that_maximizes_ranks_its_summary_best_first() -> None:
+    for study in ("optuna", "mnist_quality"):
+        cfg = compose(
+            "train", [f"hparams_search={study}", "hydra.sweeper.direction=maximize"], return_hydra_config=True
+        )
+        assert OmegaConf.select(cfg, "hydra.callbacks.summary.direction") == "maximize"  # was minimize

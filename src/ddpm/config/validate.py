@@ -26,6 +26,7 @@ from typing import Any, Literal
 from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
+from ddpm.config.entries import Node
 from ddpm.config.schema import HYDRA_KEYS, entry_fields, entry_keys, entry_schema, target_schema
 from ddpm.config.types import describe
 
@@ -87,6 +88,14 @@ class _Report:
         self.known |= {f"{section}.{k}" for section, keys in sections.items() for k in keys}
         own = {k: v for k, v in config.items() if not _is_target(v)}
         self._validate(entry_schema(entry), own, "", entry_keys(entry), section_keys=sections)
+        for path, value in _bare_nodes(config, entry_keys(entry)):
+            self.types.append(
+                f"{path}={value} has no _target_: keys were set on a node that is null (an experiment's settings "
+                f"under a group set to null, or to a config without it); drop them, or give {path} its config"
+            )
+        if entry == "train" and "ema" in config and config["ema"] is None:  # train() builds it; null crashed there
+            self.types.append("ema=None: every run keeps an EMA (validation, grids and exports read its weights); "
+                              "ema.decay=0 keeps the live weights")  # fmt: skip
         for path, node in _target_nodes(config):
             self._check_target(path, node)
 
@@ -195,6 +204,17 @@ def _is_target(value: Any) -> bool:
 
 def _holds_targets(value: Any) -> bool:
     return isinstance(value, list) and any(_is_target(v) for v in value)
+
+
+def _bare_nodes(config: dict[str, Any], keys: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path, value) of the dicts without `_target_` where a `_target_` node or null belongs (the entry's node keys
+    and the entries of `callbacks` / `logger`): built, such a dict became a DictConfig handed to Lightning."""
+    for name, hint in keys.items():
+        value = config.get(name)
+        if hint == Node and isinstance(value, dict) and not _is_target(value):
+            yield name, value
+        elif hint == dict[str, Node] | None and isinstance(value, dict):
+            yield from ((f"{name}.{k}", v) for k, v in value.items() if isinstance(v, dict) and not _is_target(v))
 
 
 def _target_nodes(config: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

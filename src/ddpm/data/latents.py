@@ -99,7 +99,7 @@ class LatentDataModule(pl.LightningDataModule):
         stream: bool = False,  # False: preload every latent in RAM; True: stream from the shards
         batch_size: int = 64,  # per device
         num_workers: int = 0,  # DataLoader workers
-        val_size: float | int = 0.05,  # held-out images: a fraction, or a count
+        val_size: int | float = 0.05,  # held-out images: a fraction, or a count
         split_seed: int = 0,  # seed of the train/val split (independent of the run seed)
         limit: int | None = None,  # use only the first `limit` encoded images
         max_ram_fraction: float = 0.5,  # refuse to preload more than this share of the available RAM

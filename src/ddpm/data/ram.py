@@ -106,7 +106,7 @@ class RAMDataModule(ScaleOnDevice):
         channels: int | None = None,  # convert to 1 or 3 channels; None keeps the source's
         batch_size: int = 64,  # per device
         num_workers: int = 0,  # DataLoader workers (0: load in the main process, fine for RAM data)
-        val_size: float | int = 0.05,  # held-out images: a fraction, or a count
+        val_size: int | float = 0.05,  # held-out images: a fraction, or a count
         split_seed: int = 0,  # seed of the train/val split (independent of the run seed)
         hflip: bool = False,  # random horizontal flips (off for digits)
         limit: int | None = None,  # use only the first `limit` images (smoke runs, tests)
