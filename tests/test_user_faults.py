@@ -67,6 +67,11 @@ def test_misspelled_overrides_are_named_with_the_key_meant() -> None:
     assert misspelled("train", ["callbacks.sample_grid.seed=1"]) == {"callbacks.sample_grid.seed": (
         "an argument of ddpm.callbacks.sample_grid.SampleGrid that this config does not list; set it with "
         "+callbacks.sample_grid.seed=...")}  # fmt: skip
+    # a typo of such an argument: that argument, not the closest listed key (trainer.limit_val_batches, max_steps)
+    assert misspelled("train", ["trainer.limit_train_batchs=10", "trainer.max_tim=00:01:00:00"]) == {
+        "trainer.limit_train_batchs": "did you mean trainer.limit_train_batches? (an argument this config does not "
+        "list: +trainer.limit_train_batches=...)", "trainer.max_tim": "did you mean trainer.max_time? (an argument "
+        "this config does not list: +trainer.max_time=...)"}  # fmt: skip
 
 
 def test_encode_refuses_a_misspelled_key_in_two_lines_naming_the_key_meant(tmp_path: Path) -> None:

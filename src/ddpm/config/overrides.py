@@ -35,8 +35,31 @@ def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) ->
                 bad.append(key)
                 kept = [line for line in kept if line not in named]
     container = OmegaConf.to_container(cfg, resolve=False)
-    known = _keys(container)
-    return {key: _argument_hint(key, container) or suggest(key, known) for key in bad}
+    known, unlisted = _keys(container), _unlisted_arguments(container)
+    return {key: _argument_hint(key, container) or _plus(suggest(key, known + unlisted), unlisted) for key in bad}
+
+
+def _unlisted_arguments(node: dict, prefix: str = "") -> list[str]:
+    """`path.arg` for each constructor argument a `_target_` node leaves out (trainer.limit_train_batches): a
+    typo of one was matched to the closest listed key, another setting (trainer.limit_val_batches)."""
+    from ddpm.config.schema import target_schema
+
+    found = []
+    if isinstance(target := node.get("_target_"), str):
+        try:
+            found = [f"{prefix}{arg}" for arg in target_schema(target).hints if arg not in node]
+        except Exception:  # a target that cannot be imported: the validator names it
+            found = []
+    children = ((key, value) for key, value in node.items() if isinstance(value, dict))
+    return found + [arg for key, value in children for arg in _unlisted_arguments(value, f"{prefix}{key}.")]
+
+
+def _plus(hint: str, unlisted: list[str]) -> str:
+    """The hint, with the `+` an argument the config does not list needs."""
+    for key in unlisted:
+        if f"set it with {key}=..." in hint:
+            return hint.replace(f"set it with {key}=...", f"an argument this config does not list: +{key}=...")
+    return hint
 
 
 def _argument_hint(key: str, config: dict) -> str | None:
