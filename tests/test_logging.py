@@ -104,3 +104,22 @@ def test_images_per_sec_leaves_out_a_sample_grid_or_fid_evaluation(monkeypatch: 
                 clock[0] += 9.0
         clock[0] += 1.0
     assert rates == [10.0] * 4
+
+
+def test_the_progress_bar_shows_no_val_loss_from_the_sanity_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sanity check's one batch of the untrained model is no validation: its val/loss stood on the bar for the
+    whole run where no validation had run yet."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from ddpm.callbacks.monitor import ProgressBar
+
+    monkeypatch.setattr(RichProgressBar, "on_validation_end", lambda *args: None)  # no console here
+    bar = ProgressBar(only_on_terminal=False)
+    metrics = {"val/loss": torch.tensor(1.056)}
+    bar.on_validation_end(SimpleNamespace(sanity_checking=True, callback_metrics=metrics), None)
+    assert "val/loss" not in bar._shown
+    bar.on_validation_end(SimpleNamespace(sanity_checking=False, callback_metrics=metrics), None)
+    assert bar._shown["val/loss"] == pytest.approx(1.056)

@@ -146,7 +146,7 @@ class ProgressBar(RichProgressBar):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self.is_disabled:
+        if not self.is_disabled and not trainer.sanity_checking:  # the sanity check's val/loss is no validation's
             self._read(trainer)
 
     def _read(self, trainer: pl.Trainer) -> None:
