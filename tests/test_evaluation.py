@@ -119,14 +119,14 @@ class Line(pl.LightningModule):
 
 
 def test_fid_values_reach_the_loggers_at_the_step_they_were_measured(tmp_path: Path) -> None:
-    """FID every 3 steps, Lightning writing every 4: self.log's value waited for Lightning's next logging step and
+    """FID every 2 steps, Lightning writing every 4: self.log's value waited for Lightning's next logging step and
     was written under it, and the last one (step 6 of 7) never reached metrics.csv, though the objective read it."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    fid = StubFID(sampler=None, every_n_steps=3)
+    fid = StubFID(sampler=None, every_n_steps=2)
     trainer = pl.Trainer(accelerator="cpu", max_steps=7, log_every_n_steps=4, callbacks=[fid], logger=CSVLogger(
         tmp_path, name="csv", version=0), enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
@@ -135,5 +135,5 @@ def test_fid_values_reach_the_loggers_at_the_step_they_were_measured(tmp_path: P
         rows = list(csv.DictReader(f))
     losses = {int(r["step"]) for r in rows if r["train/loss"]}  # Lightning's own rows: global step g at g - 1
     fids = [(int(r["step"]), float(r["val/fid@1k"])) for r in rows if r["val/fid@1k"]]
-    assert fids == [(2, 3.0), (5, 6.0)] and losses == {3}
-    assert float(trainer.callback_metrics["val/fid@1k"]) == 6.0
+    assert fids == [(1, 2.0), (3, 4.0), (5, 6.0)] and losses == {3}  # step 4's at a logged step, the others not
+    assert float(trainer.callback_metrics["val/fid@1k"]) == 6.0  # mixing self.log in: step 4's stale value

@@ -359,3 +359,31 @@ def test_a_job_killed_before_its_first_checkpoint_does_not_block_the_next(tmp_pa
     with pytest.raises(RunFolderTaken, match="already holds another run's results"):
         claim_run(other, ckpt_path=None, overwrite=False)
     assert not (other / ".running").exists()  # a refused run holds nothing
+
+
+def test_a_folder_mark_is_the_process_own_only_while_it_runs(tmp_path: Path) -> None:
+    """`.running` names the host and pid writing into a folder. A mark naming this very process but not taken by it
+    (a restarted container reuses the host name and a small pid) was read as this process's: every check skipped.
+    A resume in place took over a live process's mark (two resumes of one run at once); it takes over another host's
+    only (a requeued job). A checkpoint folder outside the run holds none (Lightning warns on a non-empty one)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    (run / ".running").write_text(f"{socket.gethostname()} {os.getpid()}")
+    with pytest.raises(RunFolderTaken, match="already holds another run's results"):
+        claim_run(run, ckpt_path=None, overwrite=False)
+    busy = subprocess.Popen(["sleep", "60"])
+    try:
+        (run / ".running").write_text(f"{socket.gethostname()} {busy.pid}")
+        with pytest.raises(RunFolderTaken, match=f"being written by another process \\(pid {busy.pid}"):
+            claim_run(run, ckpt_path=run / "checkpoints" / "last.ckpt", overwrite=False)
+    finally:
+        busy.kill(), busy.wait()
+    (run / ".running").write_text("another-node 1")
+    claim_run(run, ckpt_path=run / "checkpoints" / "last.ckpt", overwrite=False)  # a requeue elsewhere: taken over
+    assert (run / ".running").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    release()
+    outside = tmp_path / "ckpts"
+    claim_run(tmp_path / "new", ckpt_path=None, overwrite=False, checkpoint_dirs=[outside])
+    assert (tmp_path / "new" / ".running").is_file() and not (outside / ".running").exists()
+    release()

@@ -109,6 +109,9 @@ def test_a_grid_sweep_with_failed_jobs_records_them_writes_the_summary_and_exits
     assert "NonFiniteLossError" in json.loads((sweep / "0" / "result.json").read_text())["traceback"]
     assert "Sweep summary" in result.stdout and "2 of 3 jobs failed (0, 1)" in result.stdout
     assert [len(list((sweep / job / "wandb").glob("offline-run-*"))) for job in "02"] == [1, 1]
+    for job in "012":  # each job's own files stay in its folder (a RUNNING result.json written before the job's
+        assert (sweep / job / ".hydra").is_dir() and (sweep / job / "train.log").is_file()  # claim moved them aside)
+        assert not list((sweep / job).glob("replaced-*")) and not (sweep / job / ".running").exists()
 
 
 class ScriptedLauncher:

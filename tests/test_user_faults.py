@@ -72,6 +72,10 @@ def test_misspelled_overrides_are_named_with_the_key_meant() -> None:
         "trainer.limit_train_batchs": "did you mean trainer.limit_train_batches? (an argument this config does not "
         "list: +trainer.limit_train_batches=...)", "trainer.max_tim": "did you mean trainer.max_time? (an argument "
         "this config does not list: +trainer.max_time=...)"}  # fmt: skip
+    assert (
+        "every_n_train_steps"
+        in misspelled("train", ["callbacks.checkpoint.every_n_step=5"])["callbacks.checkpoint.every_n_step"]
+    )  # a listed key as close as an unlisted argument (every_n_epochs) wins
 
 
 def test_encode_refuses_a_misspelled_key_in_two_lines_naming_the_key_meant(tmp_path: Path) -> None:

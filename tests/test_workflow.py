@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from helpers import TINY_RUN, compose, train, wandb_dirs
 from omegaconf import OmegaConf
@@ -178,17 +179,34 @@ def wandb_run(run_dir: Path) -> dict[str, list]:
 
 
 @pytest.mark.slow
-def test_a_resume_continues_its_wandb_run_and_a_failure_after_fit_is_a_failed_run(tmp_path: Path) -> None:
-    """Each resume (or SLURM requeue) began a new W&B run, splitting the curves; a job that failed after fit (here:
-    no step taken, max_time 0) was finished in W&B as a success before the failure."""
-    first, resumed, failed = tmp_path / "first", tmp_path / "resumed", tmp_path / "failed"
+def test_checkpoints_keep_the_wandb_run_and_a_failure_after_fit_is_a_failed_run(tmp_path: Path) -> None:
+    """Every checkpoint keeps its W&B run's id (a requeue continues that run: below); a job that failed after fit
+    (here: no step taken, max_time 0) was finished in W&B as a success before the failure."""
+    first, failed = tmp_path / "first", tmp_path / "failed"
     wandb = ["logger=[csv,wandb]"]
     train(*TINY_RUN, *wandb, "trainer.max_steps=3", f"hydra.run.dir={first}", extra_env=wandb_dirs(tmp_path))
-    train(*TINY_RUN, *wandb, f"ckpt_path={first}", f"hydra.run.dir={resumed}", extra_env=wandb_dirs(tmp_path))
-    (one,), (two,) = wandb_run(first)["run"], wandb_run(resumed)["run"]
-    assert two.run.run_id == one.run.run_id and "ckpt_path" not in two.run.display_name
-    assert [r.exit.exit_code for r in wandb_run(resumed)["exit"]] == [0]
+    (one,) = wandb_run(first)["run"]
+    assert torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)["wandb_run_id"] == one.run.run_id
     result = train(*TINY_RUN, *wandb, "+trainer.max_time=00:00:00:00", f"hydra.run.dir={failed}", check=False,
                    extra_env=wandb_dirs(tmp_path))  # fmt: skip
     assert result.returncode == 1 and json.loads((failed / "result.json").read_text())["status"] == "FAILED"
     assert [r.exit.exit_code for r in wandb_run(failed)["exit"]] == [1]
+
+
+@pytest.mark.parametrize(
+    ("node", "in_place", "continued"),
+    [
+        ({"mode": "online", "name": "mine"}, True, True),  # a requeue: the same run, the name given kept
+        ({"mode": "online"}, False, False),  # a resume into a new folder: a branch, its own run
+        ({"mode": "offline"}, True, False),  # wandb sync keeps only the later of two offline folders of one id
+        ({"mode": "online", "id": "chosen"}, True, False),  # the user's id stands
+    ],
+)
+def test_a_requeue_continues_its_wandb_run_online(node: dict, in_place: bool, continued: bool) -> None:
+    from ddpm.sweep import continue_wandb_run
+
+    cfg = OmegaConf.create({"logger": {"wandb": {"_target_": "lightning.pytorch.loggers.WandbLogger", **node}}})
+    continue_wandb_run(cfg, "abc123", in_place=in_place)
+    wandb = cfg.logger.wandb
+    assert (wandb.get("id") == "abc123" and wandb.get("resume") == "allow") is continued
+    assert wandb.get("name") == node.get("name")

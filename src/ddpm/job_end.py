@@ -20,7 +20,7 @@ from ddpm.callbacks.preemption import Interrupted, Preempted
 from ddpm.ranks import first_process
 
 RESULT_FILE = "result.json"
-WANDB_RUN_KEY = "wandb_run_id"  # a checkpoint's W&B run (KeepWandbRun; ddpm.sweep.name_wandb_run continues it)
+WANDB_RUN_KEY = "wandb_run_id"  # a checkpoint's W&B run (KeepWandbRun; ddpm.sweep.continue_wandb_run continues it)
 
 
 def finish_wandb(loggers: list[Any], exit_code: int | None = None) -> None:
@@ -47,14 +47,26 @@ def finished(loggers: list[Any], output_dir: Path, objective: str) -> Iterator[N
     finish_wandb(loggers)  # the next job of an in-process multirun gets its own W&B run
 
 
-def write_stopped(folder: Path, stop: Preempted | Interrupted, objective: str) -> Path:
-    """result.json of a job a signal stopped: PREEMPTED (a checkpoint to resume from) or INTERRUPTED (none)."""
+def write_running(folder: Path, objective: str) -> Path | None:
+    """result.json saying RUNNING, once the run holds its folder (ddpm.run_dir.claim_run): a resumed run's folder
+    held its COMPLETED result.json while it ran again, and kept it when the new job was killed. First process only."""
+    if not first_process():
+        return None
+    result = {"overrides": _overrides(), "status": "RUNNING", objective: None, "error": None, "traceback": None}
+    return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
+
+
+def _overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def write_stopped(folder: Path, stop: Preempted | Interrupted, objective: str) -> Path:
+    """result.json of a job a signal stopped: PREEMPTED (a checkpoint to resume from) or INTERRUPTED (none)."""
     path = getattr(stop, "path", None)
     result = {
-        "overrides": overrides,
+        "overrides": _overrides(),
         "status": "PREEMPTED" if path is not None else "INTERRUPTED",
         objective: None,
         "error": f"stopped by a signal; resume with ckpt_path={path}" if path else "stopped by a second Ctrl-C",

@@ -77,17 +77,18 @@ def claim(
     key: str = "hydra.run.dir",  # the setting that named `folder`
     everything: bool = False,  # move every entry (Hydra has not written into the folder yet)
     companions: tuple[str, ...] = (),  # entries moved along with the results, where present
+    mark: bool = True,  # hold the folder while this process runs (not a checkpoint folder: Lightning's, not ours)
 ) -> Path | None:
     """Refuse, or move aside, another run's results in `folder`; the replaced-* folder if files moved."""
     resumes = inside(ckpt_path, folder)
-    if not hold(folder, key, replace=resumes):
+    if mark and not hold(folder, key, replace=resumes):
         return None  # this process claimed it already (Hydra's RunFolderGuard, then train() or sample())
     found = held(folder, patterns)
     if not found or resumes:
         return None
     failed = failed_start(folder, found) and not overwrite
     if not overwrite and not failed:
-        release(keep=len(_HELD) - 1)  # its mark, taken above: a refused run holds nothing
+        release(keep=len(_HELD) - 1 if mark else len(_HELD))  # its mark, taken above: a refused run holds nothing
         raise RunFolderTaken(taken_message(folder, found, key))
     if failed:  # only the failed run's own files (a folder may hold the user's: hydra.run.dir=.)
         names = [*found, *(name for name in (".hydra", "train.log") if (folder / name).exists())]
@@ -102,10 +103,13 @@ def claim(
 
 def hold(folder: Path, key: str, *, replace: bool = False) -> bool:
     """Mark `folder` as this process's until `release()` (the entry points' end, or exit) with `RUNNING`, created
-    exclusively, or refuse it while another live process holds it. A mark left by a process that is gone (this host)
-    is taken over; `replace`: a resume in place takes over any (a requeued job, on any host). False: this process
-    holds it already."""
+    exclusively, or refuse it while another live process holds it. A mark of a process that is gone (this host) is
+    taken over; `replace` (a resume in place: a requeued job) also takes over another host's, whose process this
+    one cannot see. False: this process holds it already (its own list, not the file: a restarted container may
+    run again under the host name and pid of the killed process that left it)."""
     mark, me = folder / RUNNING, f"{socket.gethostname()} {os.getpid()}"
+    if any(held_mark == mark for held_mark, _ in _HELD):
+        return False
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -116,10 +120,9 @@ def hold(folder: Path, key: str, *, replace: bool = False) -> bool:
                 f.write(me)
         except FileExistsError:
             host, _, pid = (mark.read_text(errors="replace") if mark.is_file() else "").partition(" ")
-            if f"{host} {pid}" == me:
-                return False
-            alive = host != socket.gethostname() or (pid.isdigit() and process_alive(int(pid)))
-            if alive and not replace:
+            here = host == socket.gethostname()
+            alive = pid.isdigit() and process_alive(int(pid)) if here else not replace
+            if alive:
                 raise RunFolderTaken(
                     f"{key}={folder} is being written by another process (pid {pid or '?'} on {host or '?'}, started "
                     f"at the same time or given the same folder): give each call its own {key}. If that process is "
@@ -220,7 +223,7 @@ def claim_run(output_dir: Path, *, ckpt_path: Path | None, overwrite: bool, chec
     for folder in checkpoint_dirs:
         if not inside(folder, output_dir):
             claim(folder, ckpt_path=ckpt_path, overwrite=overwrite, patterns=CHECKPOINT_FILES,
-                  key="callbacks.checkpoint.dirpath")  # fmt: skip
+                  key="callbacks.checkpoint.dirpath", mark=False)  # fmt: skip
 
 
 def continues_study(config: DictConfig) -> bool:

@@ -23,6 +23,7 @@ import inspect
 import io
 import json
 import math
+import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ from omegaconf import DictConfig, open_dict
 
 from ddpm.atomic import atomic_write_text
 from ddpm.job_end import RESULT_FILE
-from ddpm.ranks import first_process
 
 SUMMARY_FILE = "summary.csv"
 MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
@@ -56,18 +56,30 @@ def name_wandb_run(cfg: DictConfig) -> None:
     hydra = HydraConfig.get()
     with open_dict(node):
         if node.get("name") is None:
-            node.name = hydra.job.override_dirname or Path(hydra.runtime.output_dir).name
+            node.name = automatic_name(hydra)
         if node.get("group") is None and hydra.mode == RunMode.MULTIRUN:
             node.group = str(hydra.sweep.dir)  # every job of one sweep shares it
 
 
-def continue_wandb_run(cfg: DictConfig, run_id: str | None) -> None:
-    """A resume continues its checkpoint's W&B run (`run_id`, ddpm.job_end.KeepWandbRun), under that run's name,
-    where `logger.wandb.id` is null (before: each resume or requeue began a new W&B run, splitting the curves)."""
+def automatic_name(hydra: Any) -> str:
+    """A W&B run's name where `logger.wandb.name` is null: the command line's overrides, else the run folder's."""
+    return hydra.job.override_dirname or Path(hydra.runtime.output_dir).name
+
+
+def continue_wandb_run(cfg: DictConfig, run_id: str | None, *, in_place: bool) -> None:
+    """A resume in place (a requeued job, `ckpt_path` inside the run folder) continues its checkpoint's W&B run
+    (`run_id`, ddpm.job_end.KeepWandbRun) where `logger.wandb.id` is null and W&B runs online; before, each requeue
+    began a new run, splitting the curves. A resume into a new folder (a branch) starts its own run, as does an
+    offline one (`wandb sync` of two offline folders of one id keeps only the later). The name the run started
+    with stays, unless `logger.wandb.name` is given."""
     node = (cfg.get("logger") or {}).get("wandb")
-    if node is not None and run_id is not None and node.get("id") is None:
-        with open_dict(node):
-            node.id, node.resume, node.name = run_id, "allow", None
+    if node is None or run_id is None or not in_place or node.get("id") is not None:
+        return
+    if (node.get("mode") or os.environ.get("WANDB_MODE")) in ("offline", "dryrun", "disabled"):
+        return
+    with open_dict(node):
+        automatic = HydraConfig.initialized() and node.get("name") == automatic_name(HydraConfig.get())
+        node.id, node.resume, node.name = run_id, "allow", None if automatic else node.get("name")
 
 
 def check_objective(resolved: dict[str, Any]) -> None:
@@ -198,16 +210,6 @@ class SweepSummary(Callback):
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self._report_stopped)  # the sweeper raised: Hydra exits before on_multirun_end
 
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """RUNNING until the job ends: a resumed run's folder held its COMPLETED result.json while it ran again,
-        and kept it when the new job was killed."""
-        hydra = HydraConfig.get()
-        if first_process():
-            result = {"overrides": list(hydra.overrides.task), "status": "RUNNING", self.objective: None}
-            folder = Path(hydra.runtime.output_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
-
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         hydra = HydraConfig.get()
         write_result(Path(hydra.runtime.output_dir), list(hydra.overrides.task), job_return, self.objective)
@@ -239,10 +241,14 @@ class SweepSummary(Callback):
         how = "; the sweep stopped with the error above" if stopped else ""
         print(f"\nSweep summary ({self.objective}, {self.direction}; best first{how}): {path}")
         print(format_table(rows))
-        failed = [row["job"] for row in rows if row["status"] != JobStatus.COMPLETED.name]
+        failed = [row["job"] for row in rows if row["status"] == JobStatus.FAILED.name]
         if failed:
             print(f"{len(failed)} of {len(rows)} jobs failed ({', '.join(failed)}): {path.name} gives each one's "
                   f"error, its {RESULT_FILE} the traceback")  # fmt: skip
+        if unfinished := [
+            f"{row['job']} {row['status']}" for row in rows if row["status"] not in ("COMPLETED", "FAILED")
+        ]:
+            print(f"{len(unfinished)} of {len(rows)} jobs did not finish ({', '.join(unfinished)})")
 
 
 def collect(sweep_dir: Path, objective: str, *, maximize: bool = False) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
-from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished
+from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, write_running
 from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
@@ -35,7 +35,7 @@ from ddpm.resume import (
     resolve_ckpt_path,
     world_of,
 )
-from ddpm.run_dir import claim_run, holding
+from ddpm.run_dir import claim_run, holding, inside
 from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import check_objective, continue_wandb_run, name_wandb_run
 from ddpm.tuning import run_tuning
@@ -177,6 +177,7 @@ def train(cfg: DictConfig) -> float | None:
     ckpt_path = requeued_from(output_dir, ckpt_path)  # a requeued SLURM job resumes in place
     claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
+    write_running(output_dir, keys.objective)  # result.json: RUNNING until the job ends
     if keys.tune is not None:
         if not run_tuning(cfg, resolved):
             return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
@@ -195,7 +196,7 @@ def train(cfg: DictConfig) -> float | None:
         start_step, before = int(checkpoint["global_step"]), checkpoint_world(checkpoint)
         wandb_run = checkpoint.get(WANDB_RUN_KEY)
         del checkpoint
-    continue_wandb_run(cfg, wandb_run)  # a resume continues its W&B run
+    continue_wandb_run(cfg, wandb_run, in_place=inside(ckpt_path, output_dir))  # a requeue continues its W&B run
     net = build(cfg.model)
     if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
         load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ

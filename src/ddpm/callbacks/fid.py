@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddpm.callbacks.monitor import logs_this_step, off_the_clock
+from ddpm.callbacks.monitor import off_the_clock
 from ddpm.callbacks.sample_grid import sample_with_ema
 from ddpm.diffusion.generate import class_cycle
 from ddpm.diffusion.network import SamplingPrecision
@@ -83,12 +83,11 @@ class FID(Callback):
             self.last_step = step
             with off_the_clock(trainer):
                 metrics = self.evaluate(trainer, pl_module)
+            # Not self.log: at a step Lightning does not log, the value waited for its next logging step, under
+            # that step (the last one: never); mixing both, Lightning's copy overwrote newer values here.
             values = {f"val/{name}": float(value) for name, value in metrics.items()}
-            if logs_this_step(trainer):
-                pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-            else:  # self.log would reach the loggers at Lightning's next logging step, under it (the last: never)
-                trainer._logger_connector.log_metrics(values)  # this batch's step, as Lightning's own rows
-                trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})  # objective, monitors
+            trainer._logger_connector.log_metrics(values)  # now, at this batch's step, as Lightning's own rows
+            trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})  # objective, monitors
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Sample this rank's share from the EMA weights, gather the features, compute the metrics."""

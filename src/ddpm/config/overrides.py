@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ddpm.config import CONF
-from ddpm.config.validate import suggest
+from ddpm.config.validate import similarity, suggest
 
 
 def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) -> dict[str, str]:
@@ -36,7 +36,8 @@ def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) ->
                 kept = [line for line in kept if line not in named]
     container = OmegaConf.to_container(cfg, resolve=False)
     known, unlisted = _keys(container), _unlisted_arguments(container)
-    return {key: _argument_hint(key, container) or _plus(suggest(key, known + unlisted), unlisted) for key in bad}
+    return {key: _argument_hint(key, container) or _closer_argument(key, known, unlisted) or suggest(key, known)
+            for key in bad}  # fmt: skip
 
 
 def _unlisted_arguments(node: dict, prefix: str = "") -> list[str]:
@@ -54,12 +55,20 @@ def _unlisted_arguments(node: dict, prefix: str = "") -> list[str]:
     return found + [arg for key, value in children for arg in _unlisted_arguments(value, f"{prefix}{key}.")]
 
 
-def _plus(hint: str, unlisted: list[str]) -> str:
-    """The hint, with the `+` an argument the config does not list needs."""
-    for key in unlisted:
-        if f"set it with {key}=..." in hint:
-            return hint.replace(f"set it with {key}=...", f"an argument this config does not list: +{key}=...")
-    return hint
+def _closer_argument(key: str, known: list[str], unlisted: list[str], margin: float = 0.2) -> str | None:
+    """The hint for an unlisted argument of the key's node clearly closer to it than any listed key (by `margin`:
+    limit_train_batchs is limit_train_batches, not the listed limit_val_batches; every_n_step stays the listed
+    every_n_train_steps, not every_n_epochs); None: suggest among the listed keys."""
+    section, _, leaf = key.rpartition(".")
+    score = lambda k: similarity(leaf, k.rpartition(".")[2])  # noqa: E731
+    arguments = [k for k in unlisted if k.rpartition(".")[0] == section]
+    if not arguments:
+        return None
+    best = max(arguments, key=score)
+    listed = max((score(k) for k in known if k.rpartition(".")[0] == section), default=0.0)
+    if score(best) >= 0.8 and score(best) > listed + margin:
+        return f"did you mean {best}? (an argument this config does not list: +{best}=...)"
+    return None
 
 
 def _argument_hint(key: str, config: dict) -> str | None:

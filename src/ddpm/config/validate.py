@@ -182,12 +182,12 @@ def _closest(leaf: str, keys: list[str], cutoff: float = 0.8) -> list[str]:
     same = sorted((k for k in keys if k.rsplit(".", 1)[-1] == leaf), key=lambda k: k.count("."))
     if same:
         return same
-    scored = [(_similarity(leaf, k.rsplit(".", 1)[-1]), k) for k in keys]
+    scored = [(similarity(leaf, k.rsplit(".", 1)[-1]), k) for k in keys]
     best = max(scored, default=(0.0, ""))
     return [best[1]] if best[0] >= cutoff else []
 
 
-def _similarity(a: str, b: str) -> float:
+def similarity(a: str, b: str) -> float:
     a, b = a.lower(), b.lower()
     if len(a) == len(b) and sorted(a) == sorted(b) and sum(x != y for x, y in zip(a, b, strict=True)) == 2:
         return 1.5  # two letters swapped (vea -> vae), which difflib's ratio scores low on a short key
