@@ -387,3 +387,20 @@ def test_a_folder_mark_is_the_process_own_only_while_it_runs(tmp_path: Path) -> 
     claim_run(tmp_path / "new", ckpt_path=None, overwrite=False, checkpoint_dirs=[outside])
     assert (tmp_path / "new" / ".running").is_file() and not (outside / ".running").exists()
     release()
+
+
+def test_a_stop_hydra_never_sees_is_written_and_train_outside_hydra_writes_no_running(tmp_path: Path) -> None:
+    """Hydra's on_job_end sees Exceptions only: a KeyboardInterrupt or SystemExit (Lightning's own SIGTERM, a run
+    without the Preemption callback) left result.json saying RUNNING. Outside a Hydra job with the summary callback,
+    nothing would write the final status, so no RUNNING is written (train() called from a notebook or a test)."""
+    from ddpm.job_end import finished, write_running
+
+    for stop, said in ((KeyboardInterrupt(), "stopped: KeyboardInterrupt"), (SystemExit(1), "stopped: SystemExit 1")):
+        with pytest.raises(type(stop)), finished([], tmp_path, "val/loss"):
+            raise stop
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result["status"] == "INTERRUPTED" and result["error"] == said
+    with pytest.raises(ValueError), finished([], tmp_path / "x", "val/loss"):  # an Exception: Hydra's to record
+        raise ValueError("boom")
+    assert not (tmp_path / "x").exists()
+    assert write_running(tmp_path / "y", "val/loss") is None and not (tmp_path / "y").exists()

@@ -41,16 +41,22 @@ def finished(loggers: list[Any], output_dir: Path, objective: str) -> Iterator[N
         yield
     except BaseException as error:
         finish_wandb(loggers, exit_code=1)  # a failed job's W&B run too: the next job would log into it
-        if isinstance(error, Preempted | Interrupted) and first_process():
+        if not isinstance(error, Exception) and first_process():  # Hydra's on_job_end sees Exceptions only
             write_stopped(output_dir, error, objective)
         raise
     finish_wandb(loggers)  # the next job of an in-process multirun gets its own W&B run
 
 
 def write_running(folder: Path, objective: str) -> Path | None:
-    """result.json saying RUNNING, once the run holds its folder (ddpm.run_dir.claim_run): a resumed run's folder
-    held its COMPLETED result.json while it ran again, and kept it when the new job was killed. First process only."""
-    if not first_process():
+    """result.json saying RUNNING, once the run holds its folder and its resume was accepted: a resumed run's
+    folder held its COMPLETED result.json while it ran again, and kept it when the new job was killed. Only where
+    the summary callback writes the final one (a Hydra job with hydra.callbacks.summary), by the first process."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not first_process() or not HydraConfig.initialized():
+        return None
+    callbacks = HydraConfig.get().callbacks or {}
+    if not any((node or {}).get("_target_") == "ddpm.sweep.SweepSummary" for node in callbacks.values()):
         return None
     result = {"overrides": _overrides(), "status": "RUNNING", objective: None, "error": None, "traceback": None}
     return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
@@ -62,14 +68,16 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def write_stopped(folder: Path, stop: Preempted | Interrupted, objective: str) -> Path:
-    """result.json of a job a signal stopped: PREEMPTED (a checkpoint to resume from) or INTERRUPTED (none)."""
-    path = getattr(stop, "path", None)
+def write_stopped(folder: Path, stop: BaseException, objective: str) -> Path:
+    """result.json of a job a signal stopped (a SystemExit or KeyboardInterrupt, which Hydra's on_job_end never
+    sees): PREEMPTED (the preemption checkpoint to resume from), else INTERRUPTED."""
+    path = getattr(stop, "path", None) if isinstance(stop, Preempted) else None
+    said = "a second Ctrl-C" if isinstance(stop, Interrupted) else f"{type(stop).__name__} {getattr(stop, 'code', '')}"
     result = {
         "overrides": _overrides(),
         "status": "PREEMPTED" if path is not None else "INTERRUPTED",
         objective: None,
-        "error": f"stopped by a signal; resume with ckpt_path={path}" if path else "stopped by a second Ctrl-C",
+        "error": f"stopped by a signal; resume with ckpt_path={path}" if path else f"stopped: {said.strip()}",
         "traceback": None,
     }
     return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")

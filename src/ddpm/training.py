@@ -177,7 +177,6 @@ def train(cfg: DictConfig) -> float | None:
     ckpt_path = requeued_from(output_dir, ckpt_path)  # a requeued SLURM job resumes in place
     claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
-    write_running(output_dir, keys.objective)  # result.json: RUNNING until the job ends
     if keys.tune is not None:
         if not run_tuning(cfg, resolved):
             return None  # tune=lr_find without tune.apply=true: the plot and the suggestion are the result
@@ -197,6 +196,7 @@ def train(cfg: DictConfig) -> float | None:
         wandb_run = checkpoint.get(WANDB_RUN_KEY)
         del checkpoint
     continue_wandb_run(cfg, wandb_run, in_place=inside(ckpt_path, output_dir))  # a requeue continues its W&B run
+    write_running(output_dir, keys.objective)  # result.json: RUNNING until the job ends (after the refusals)
     net = build(cfg.model)
     if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
         load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
