@@ -1,10 +1,9 @@
-"""How a training job ends, as its records see it: the W&B run closed (marked failed when the job failed), its id
-kept in every checkpoint for a resume to continue it (`KeepWandbRun`), and `result.json` saying PREEMPTED or
-INTERRUPTED when a signal stopped it.
+"""A training job's records: `result.json` saying RUNNING once the run holds its folder, PREEMPTED or INTERRUPTED
+when a signal stopped it; the W&B run closed with the job's outcome (failed when it failed, after the exports);
+the W&B run's id kept in every checkpoint, for a requeue to continue it (`KeepWandbRun`).
 
-A signal's stop is a SystemExit (ddpm.callbacks.preemption), which Hydra's run_job does not catch: the summary
-callback's on_job_end never runs, and result.json kept what the folder held before (RUNNING, or a finished run's
-COMPLETED when the run had resumed in place).
+A signal's stop is a SystemExit or KeyboardInterrupt, which Hydra's run_job does not catch: the summary callback's
+on_job_end never runs (it writes COMPLETED or FAILED), and result.json kept what the folder held before.
 """
 
 import json

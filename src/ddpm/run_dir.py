@@ -15,9 +15,9 @@ it again, to runs started without Hydra, to multirun jobs, and to checkpoint fol
 sweep folder (`hydra.sweep.dir`) that holds an earlier sweep is refused, or moved aside, the same way, except an
 Optuna study's own folder, which the same command continues (`continues_study`).
 Only the first process claims a folder: the other ranks of a DDP run write into the folder rank 0 claimed. A
-claimed folder holds `.running` (host and pid, created exclusively, removed at exit) while its process lives: two
-calls started in the same second (the default folders' time stamp) or given the same folder both passed the result
-check before either had written, and the later one's files replaced the earlier one's.
+claimed folder holds `.running` (host and pid, created exclusively, removed when train() or sample() ends) while
+its process writes there: two calls started in the same second (the default folders' time stamp) or given the same
+folder both passed the result check before either had written, and the later one's files replaced the earlier's.
 """
 
 import atexit
