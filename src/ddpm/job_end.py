@@ -57,7 +57,14 @@ def write_running(folder: Path, objective: str) -> Path | None:
     callbacks = HydraConfig.get().callbacks or {}
     if not any((node or {}).get("_target_") == "ddpm.sweep.SweepSummary" for node in callbacks.values()):
         return None
-    result = {"overrides": _overrides(), "status": "RUNNING", objective: None, "error": None, "traceback": None}
+    return write_status(folder, _overrides(), "RUNNING", objective)
+
+
+def write_status(folder: Path, overrides: list[str], status: str, objective: str, value: float | None = None,
+                 error: str | None = None, trace: str | None = None) -> Path:  # fmt: skip
+    """`folder/result.json`: the job's overrides, status, the objective's value, an error on one line and its
+    traceback; written whole (atomically: a summary reading it never sees half a file)."""
+    result = {"overrides": overrides, "status": status, objective: value, "error": error, "traceback": trace}
     return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
 
 
@@ -72,14 +79,9 @@ def write_stopped(folder: Path, stop: BaseException, objective: str) -> Path:
     sees): PREEMPTED (the preemption checkpoint to resume from), else INTERRUPTED."""
     path = getattr(stop, "path", None) if isinstance(stop, Preempted) else None
     said = "a second Ctrl-C" if isinstance(stop, Interrupted) else f"{type(stop).__name__} {getattr(stop, 'code', '')}"
-    result = {
-        "overrides": _overrides(),
-        "status": "PREEMPTED" if path is not None else "INTERRUPTED",
-        objective: None,
-        "error": f"stopped by a signal; resume with ckpt_path={path}" if path else f"stopped: {said.strip()}",
-        "traceback": None,
-    }
-    return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
+    status = "PREEMPTED" if path is not None else "INTERRUPTED"
+    error = f"stopped by a signal; resume with ckpt_path={path}" if path else f"stopped: {said.strip()}"
+    return write_status(folder, _overrides(), status, objective, error=error)
 
 
 class KeepWandbRun(pl.Callback):

@@ -36,7 +36,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, open_dict
 
 from ddpm.atomic import atomic_write_text
-from ddpm.job_end import RESULT_FILE
+from ddpm.job_end import RESULT_FILE, write_status
 
 SUMMARY_FILE = "summary.csv"
 MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
@@ -184,15 +184,11 @@ def write_result(folder: Path, overrides: list[str], job_return: JobReturn, obje
     completed = job_return.status == JobStatus.COMPLETED
     value = job_return._return_value  # the public property re-raises a failed job's error
     error = value if isinstance(value, BaseException) and not completed else None
-    result = {
-        "overrides": overrides,
-        "status": job_return.status.name,
-        objective: float(value) if completed and isinstance(value, int | float) else None,
-        "error": error_line(error) if error is not None else None,
-        "traceback": "".join(traceback.format_exception(error)) if error is not None else None,
-    }
     folder.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")  # never half-read
+    return write_status(folder, overrides, job_return.status.name, objective,
+                        value=float(value) if completed and isinstance(value, int | float) else None,
+                        error=error_line(error) if error is not None else None,
+                        trace="".join(traceback.format_exception(error)) if error is not None else None)  # fmt: skip
 
 
 class SweepSummary(Callback):
