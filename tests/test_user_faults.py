@@ -61,6 +61,11 @@ def test_misspelled_overrides_are_named_with_the_key_meant() -> None:
     assert "did you mean optim.lr?" in found["optim.lrr"]
     assert "did you mean model.base_channels?" in found["model.base_chanels"]
     assert misspelled("sample", ["guidnace=3"]) == {"guidnace": "did you mean guidance? (set it with guidance=...)"}
+    # a misspelled section (Hydra names only `trainr`), group or hydra key
+    assert misspelled("train", ["trainr.max_steps=1", "experimnt=mnist", "hydra.run.dri=x"]) == {
+        "trainr.max_steps": "did you mean trainer.max_steps? (set it with trainer.max_steps=...)",
+        "experimnt": "did you mean experiment? (set it with experiment=...)",
+        "hydra.run.dri": "did you mean hydra.run.dir? (set it with hydra.run.dir=...)"}  # fmt: skip
     assert misspelled("train", ["experiment=mnist", "optim.lr=1e-3,2e-3", "+optim.lrr=1"]) == {}  # composes
     assert misspelled("train", ["model=unet_mnst", "optim.lrr=1"]) == {}  # a missing option: Hydra lists the options
     # an argument the config does not list: how to set it, not the nearest listed key (the run's seed)

@@ -25,19 +25,26 @@ def misspelled(config_name: str, overrides: Sequence[str], conf: Path = CONF) ->
     with initialize_config_dir(config_dir=str(conf.resolve()), version_base="1.3"):
         while True:
             try:
-                cfg = compose(config_name, overrides=kept)
+                cfg = compose(config_name, overrides=kept, return_hydra_config=True)
                 break
             except HydraException as error:
-                key = getattr(error.__cause__, "full_key", None)
-                named = [line for line in kept if line.lstrip("+~").split("=", 1)[0] == key]
+                key = getattr(error.__cause__, "full_key", None)  # trainr.max_steps: Hydra names `trainr`
+                named = [line for line in kept if _key(line) == key or _key(line).startswith(f"{key}.")]
                 if not key or not named:
                     return {}  # another problem (a group option that does not exist ...): Hydra's message says it
-                bad.append(key)
+                bad += [_key(line) for line in named]
                 kept = [line for line in kept if line not in named]
     container = OmegaConf.to_container(cfg, resolve=False)
-    known, unlisted = _keys(container), _unlisted_arguments(container)
-    return {key: _argument_hint(key, container) or _closer_argument(key, known, unlisted) or suggest(key, known)
-            for key in bad}  # fmt: skip
+    hydra = container.pop("hydra")
+    groups = [group for group in hydra["runtime"]["choices"] if "/" not in group]  # experiment, hparams_search
+    known, unlisted = _keys(container) + groups, _unlisted_arguments(container)
+    hydra = [f"hydra.{key}" for key in _keys(hydra)]  # offered for hydra.* typos only
+    return {key: _argument_hint(key, container) or _closer_argument(key, known, unlisted)
+            or suggest(key, hydra if key.startswith("hydra.") else known) for key in bad}  # fmt: skip
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
 
 
 def _unlisted_arguments(node: dict, prefix: str = "") -> list[str]:
