@@ -389,18 +389,31 @@ def test_a_folder_mark_is_the_process_own_only_while_it_runs(tmp_path: Path) -> 
     release()
 
 
-def test_a_stop_hydra_never_sees_is_written_and_train_outside_hydra_writes_no_running(tmp_path: Path) -> None:
+def test_a_stop_hydra_never_sees_is_written_and_train_outside_hydra_writes_no_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Hydra's on_job_end sees Exceptions only: a KeyboardInterrupt or SystemExit (Lightning's own SIGTERM, a run
-    without the Preemption callback) left result.json saying RUNNING. Outside a Hydra job with the summary callback,
-    nothing would write the final status, so no RUNNING is written (train() called from a notebook or a test)."""
-    from ddpm.job_end import finished, write_running
+    without the Preemption callback, Ctrl-C before the fit while the trainer is built) left result.json saying
+    RUNNING. Outside a Hydra job with the summary callback, nothing would write the final status, so no RUNNING is
+    written (train() called from a notebook or a test)."""
+    from ddpm import training
+    from ddpm.job_end import recorded, write_running
 
     for stop, said in ((KeyboardInterrupt(), "stopped: KeyboardInterrupt"), (SystemExit(1), "stopped: SystemExit 1")):
-        with pytest.raises(type(stop)), finished([], tmp_path, "val/loss"):
+        with pytest.raises(type(stop)), recorded(tmp_path, "val/loss"):
             raise stop
         result = json.loads((tmp_path / "result.json").read_text())
         assert result["status"] == "INTERRUPTED" and result["error"] == said
-    with pytest.raises(ValueError), finished([], tmp_path / "x", "val/loss"):  # an Exception: Hydra's to record
+    with pytest.raises(ValueError), recorded(tmp_path / "x", "val/loss"):  # an Exception: Hydra's to record
         raise ValueError("boom")
     assert not (tmp_path / "x").exists()
     assert write_running(tmp_path / "y", "val/loss") is None and not (tmp_path / "y").exists()
+
+    def ctrl_c(cfg: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "build_loggers", ctrl_c)  # after the network and the data module are built
+    cfg = helpers.compose("train", [*helpers.TINY_RUN, f"paths.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(KeyboardInterrupt):
+        training.train(cfg)
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "INTERRUPTED"

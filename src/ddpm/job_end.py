@@ -33,17 +33,28 @@ def finish_wandb(loggers: list[Any], exit_code: int | None = None) -> None:
 
 
 @contextmanager
-def finished(loggers: list[Any], output_dir: Path, objective: str) -> Iterator[None]:
+def finished(loggers: list[Any]) -> Iterator[None]:
     """The fit, the exports and the objective's read: W&B finishes with the job's outcome, after all of them (a job
-    that fails after fit is a failed run there too); a signal's stop is written into result.json."""
+    that fails after fit is a failed run there too)."""
+    try:
+        yield
+    except BaseException:
+        finish_wandb(loggers, exit_code=1)  # a failed job's W&B run too: the next job would log into it
+        raise
+    finish_wandb(loggers)  # the next job of an in-process multirun gets its own W&B run
+
+
+@contextmanager
+def recorded(folder: Path, objective: str) -> Iterator[None]:
+    """The job from its accepted resume to its end: result.json says RUNNING (write_running), then PREEMPTED or
+    INTERRUPTED where a signal stopped it, from the network's build on (Ctrl-C while the data loads too)."""
+    write_running(folder, objective)
     try:
         yield
     except BaseException as error:
-        finish_wandb(loggers, exit_code=1)  # a failed job's W&B run too: the next job would log into it
         if not isinstance(error, Exception) and first_process():  # Hydra's on_job_end sees Exceptions only
-            write_stopped(output_dir, error, objective)
+            write_stopped(folder, error, objective)
         raise
-    finish_wandb(loggers)  # the next job of an in-process multirun gets its own W&B run
 
 
 def write_running(folder: Path, objective: str) -> Path | None:

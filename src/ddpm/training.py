@@ -21,7 +21,7 @@ from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
-from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, write_running
+from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
@@ -196,53 +196,54 @@ def train(cfg: DictConfig) -> float | None:
         wandb_run = checkpoint.get(WANDB_RUN_KEY)
         del checkpoint
     continue_wandb_run(cfg, wandb_run, in_place=inside(ckpt_path, output_dir))  # a requeue continues its W&B run
-    write_running(output_dir, keys.objective)  # result.json: RUNNING until the job ends (after the refusals)
-    net = build(cfg.model)
-    if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
-        load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
+    with recorded(output_dir, keys.objective):  # result.json: RUNNING until the job ends (after the refusals)
+        net = build(cfg.model)
+        if keys.init_from and ckpt_path is None:  # fine-tune: weights only; a resume restores its own
+            load_init(keys.init_from, net, resolved["model"])  # CheckpointError naming the model.* keys that differ
+            if first_process():
+                say(f"init_from: the weights of {keys.init_from} (a fresh optimizer and schedule)")
+        output_dir.mkdir(parents=True, exist_ok=True)
         if first_process():
-            say(f"init_from: the weights of {keys.init_from} (a fresh optimizer and schedule)")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if first_process():
-        OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
+            OmegaConf.save(OmegaConf.create(resolved), output_dir / "config.yaml")
 
-    datamodule = build(cfg.data)
-    optim = build(cfg.optim)
-    parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
-    # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
-    # A partial, called with module.compile as decided (auto resolved above)
-    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=resolved,
-                                                     compile=resolved["module"]["compile"])  # fmt: skip
-    ema, callbacks = build_callbacks(cfg)
-    configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
-    loggers = build_loggers(cfg)
-    trainer: pl.Trainer = build(
-        cfg.trainer,
-        precision=precision,
-        callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # after the ranks joined (dist_timeout_s)
-        logger=loggers,
-        default_root_dir=str(output_dir),
-        plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
-    )
-    timeout = keys.dist_timeout_s
-    bound_join(trainer, timeout)
-    if first_process():
-        keep_metrics_history(loggers)
-        if before is not None:  # world size, global batch and LR before/after, in resume_diff.yaml
-            record_world(output_dir, before, world_of(trainer, getattr(datamodule, "batch_size", 0), optim.scaled_lr))
-    joining = explain_join_failure(world_size=trainer.world_size, num_nodes=trainer.num_nodes, seconds=timeout)
-    with finished(trainer.loggers, output_dir, keys.objective):  # W&B's outcome; a signal's, in result.json
-        with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        check_trained(trainer, start_step)  # before anything is exported
-        if trainer.is_global_zero and ema.shadow is not None and hasattr(module, "write_exports"):
-            module.write_exports(output_dir, ema)  # a module with its own exports (ddpm.vae_module: <run>/vae/)
-        elif trainer.is_global_zero and ema.shadow is not None:
-            path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
-            safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # unpickle-free
-            say(f"EMA weights: {path} (and {safe.name})")
-        value = objective_value(trainer, keys.objective)
-    return value
+        datamodule = build(cfg.data)
+        optim = build(cfg.optim)
+        parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
+        # A partial, called here: run_config's `_target_` nodes must stay plain data (a dict in the checkpoint).
+        # A partial, called with module.compile as decided (auto resolved above)
+        module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=resolved,
+                                                         compile=resolved["module"]["compile"])  # fmt: skip
+        ema, callbacks = build_callbacks(cfg)
+        configure_precision(precision)  # fp16 warning; TF32 on Ampere+ for float32
+        loggers = build_loggers(cfg)
+        trainer: pl.Trainer = build(
+            cfg.trainer,
+            precision=precision,
+            callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # dist_timeout_s after the join
+            logger=loggers,
+            default_root_dir=str(output_dir),
+            plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
+        )
+        timeout = keys.dist_timeout_s
+        bound_join(trainer, timeout)
+        if first_process():
+            keep_metrics_history(loggers)
+            if before is not None:  # world size, global batch and LR before/after, in resume_diff.yaml
+                batch = getattr(datamodule, "batch_size", 0)
+                record_world(output_dir, before, world_of(trainer, batch, optim.scaled_lr))
+        joining = explain_join_failure(world_size=trainer.world_size, num_nodes=trainer.num_nodes, seconds=timeout)
+        with finished(trainer.loggers):  # W&B finishes with the job's outcome
+            with explain_oom(batch_size=cfg.data.get("batch_size"), precision=precision), joining:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            check_trained(trainer, start_step)  # before anything is exported
+            if trainer.is_global_zero and ema.shadow is not None and hasattr(module, "write_exports"):
+                module.write_exports(output_dir, ema)  # a module with its own exports (ddpm.vae_module: <run>/vae/)
+            elif trainer.is_global_zero and ema.shadow is not None:
+                path = export_ema(output_dir / "ema.pt", ema.shadow, resolved)
+                safe = save_ema_safetensors(output_dir / "ema.safetensors", ema.shadow, resolved)  # unpickle-free
+                say(f"EMA weights: {path} (and {safe.name})")
+            value = objective_value(trainer, keys.objective)
+        return value
 
 
 def check_steps_left(ckpt_path: Path, step: int, max_steps: int, *, vae: bool = False) -> None:
