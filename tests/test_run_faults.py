@@ -251,6 +251,11 @@ def test_resuming_a_run_already_at_max_steps_is_refused_up_front(runs: Path, tmp
     code, output = train(*BASE, f"ckpt_path={runs / 'base'}", f"hydra.run.dir={tmp_path / 'again'}")
     assert code != 0 and "is at step 6 and trainer.max_steps=6" in output and "trainer.max_steps=12" in output
     assert not (tmp_path / "again" / "ema.pt").exists() and not (tmp_path / "again" / "config.yaml").exists()
+    run = shutil.copytree(runs / "base", tmp_path / "run")  # in place: the finished run's record stays
+    before = (run / "result.json").read_text()
+    code, output = train(*BASE, f"ckpt_path={run}", f"hydra.run.dir={run}")
+    assert code != 0 and "trainer.max_steps=12" in output
+    assert (run / "result.json").read_text() == before and json.loads(before)["status"] == "COMPLETED"
 
 
 # --- resume at another world size -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from ddpm.callbacks.preemption import Interrupted, Preempted
 from ddpm.ranks import first_process
 
 RESULT_FILE = "result.json"
+_STARTED: set[Path] = set()  # folders whose job got past its refusals (recorded), in this process
 WANDB_RUN_KEY = "wandb_run_id"  # a checkpoint's W&B run (KeepWandbRun; ddpm.sweep.continue_wandb_run continues it)
 
 
@@ -49,6 +50,7 @@ def recorded(folder: Path, objective: str) -> Iterator[None]:
     """The job from its accepted resume to its end: result.json says RUNNING (write_running), then PREEMPTED or
     INTERRUPTED where a signal stopped it, from the network's build on (Ctrl-C while the data loads too)."""
     write_running(folder, objective)
+    _STARTED.add(folder.resolve())
     try:
         yield
     except BaseException as error:
@@ -77,6 +79,20 @@ def write_status(folder: Path, overrides: list[str], status: str, objective: str
     traceback; written whole (atomically: a summary reading it never sees half a file)."""
     result = {"overrides": overrides, "status": status, objective: value, "error": error, "traceback": trace}
     return atomic_write_text(folder / RESULT_FILE, json.dumps(result, indent=2) + "\n")
+
+
+def keeps_finished_record(folder: Path, status: str) -> bool:
+    """Whether a job's result.json is left as it is: the job was refused at start-up (a resume in place past its
+    max_steps, a breaking change) in a folder whose result.json records a finished run and its objective's value;
+    the refusal is on stderr and in the log. Asked once at each job's end."""
+    started = folder.resolve() in _STARTED
+    _STARTED.discard(folder.resolve())
+    if status != "FAILED" or started:
+        return False
+    try:
+        return json.loads((folder / RESULT_FILE).read_text())["status"] == "COMPLETED"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _overrides() -> list[str]:
