@@ -365,3 +365,19 @@ def test_a_new_average_starts_from_the_weights_the_fit_starts_with():
         net.weight.fill_(5.0)
     ema.on_fit_start(None, SimpleNamespace(net=net, device=torch.device("cpu")))  # a second fit keeps its average
     assert torch.equal(ema.shadow["weight"], torch.full((1, 2), 3.0))
+
+
+def test_an_average_that_would_take_no_update_is_refused_or_holds_the_trained_weights(tmp_path):
+    """ema.update_every_n_steps above the run's steps left the average at the initial weights: validation, grids
+    and ema.pt used an untrained network (the UNet's zeroed output conv: every sample the same). Refused before step
+    1; a run stopped before its first update (max_time, a signal) ends with the trained weights in the average."""
+    with pytest.raises(ValueError, match=r"ema.update_every_n_steps=10 exceeds the run's 3 steps.*<= 3"):
+        trainer(tmp_path, max_steps=3, ema=EMA(update_every_n_steps=10), accumulate=1).fit(Tiny(), loader())
+    ema = EMA(decay=0.9, update_every_n_steps=10)
+    fit = pl.Trainer(accelerator="cpu", max_steps=-1, max_epochs=-1, callbacks=[ema, StopAfter(4)], logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=tmp_path)  # fmt: skip
+    module = Tiny()
+    with pytest.warns(UserWarning, match="took no update in 4 steps"):
+        fit.fit(module, loader())
+    assert ema.num_updates == 0 and torch.equal(ema.shadow["weight"], module.net.weight.detach())

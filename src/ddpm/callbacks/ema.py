@@ -105,10 +105,28 @@ class EMA(Callback):
                 self._require_shadow()[k].copy_(v)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        total = trainer.estimated_stepping_batches  # inf without max_steps and max_epochs (max_time, a signal)
+        updates = total // self.update_every_n_steps if math.isfinite(total) else math.inf
+        if (
+            self.num_updates == 0
+            and trainer.global_step < total
+            and updates == trainer.global_step // self.update_every_n_steps
+        ):
+            raise ValueError(
+                f"ema.update_every_n_steps={self.update_every_n_steps} exceeds the run's {int(total)} steps: the "
+                "average would never be updated, and validation, grids and ema.pt would use the initial weights; "
+                f"set ema.update_every_n_steps <= {int(total)} (1: every step)"
+            )
         if self.warmup:  # a short run may never reach the decay it asks for (experiment=mnist: 0.999 in 2,000)
-            total = trainer.estimated_stepping_batches  # inf without max_steps and max_epochs (max_time, a signal)
-            updates = total // self.update_every_n_steps if math.isfinite(total) else math.inf
             rank_zero_info(schedule_note(self.decay, updates))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.num_updates == 0 and trainer.global_step > 0:  # stopped (max_time, a signal) before update 1
+            rank_zero_warn(
+                f"The EMA took no update in {trainer.global_step} steps (ema.update_every_n_steps="
+                f"{self.update_every_n_steps}): it holds the trained weights, not an average"
+            )
+            self._copy_from(pl_module.net)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # global_step counts optimizer steps: under gradient accumulation it moves once per k batches.
