@@ -410,6 +410,10 @@ def test_resume_allows_and_records_safe_changes(tmp_path: Path, capsys: pytest.C
     assert record["changed"]["trainer.max_steps"] == {"checkpoint": config["trainer"]["max_steps"], "now": 7}
     assert "logger.wandb._target_" in record["changed"]  # a logger added (the default: csv, tensorboard)
     assert "trainer.max_steps" in capsys.readouterr().out
+    # model keys that change no weight: activation checkpointing (explain_oom's advice), dropout, a default written out
+    model = {**config["model"], "checkpoint_activations": True, "dropout": 0.2, "emb_dim": None}
+    assert {"model.checkpoint_activations", "model.dropout"} <= set(check_resume(path, {**config, "model": model},
+                                                                                 tmp_path / "new"))  # fmt: skip
 
 
 def test_resume_from_damaged_or_wrong_files_is_a_clear_error(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import yaml
 
 from ddpm.logs import say
 from ddpm.ranks import first_process
+from ddpm.weights.init import architecture
 from ddpm.weights.model import CheckpointError, run_config
 from ddpm.weights.torch_file import load_checkpoint
 
@@ -26,7 +27,6 @@ from ddpm.weights.torch_file import load_checkpoint
 BREAKING = ("model.", "diffusion._target_", "diffusion.num_timesteps", "diffusion.schedule", "diffusion.prediction",
             "diffusion.sigma_", "diffusion.rho", "data.image_size", "data.channels", "latent.vae_identity",
             "latent.scaling_factor", "latent.shift_factor", "latent.latent_shape")  # fmt: skip  # latent: the VAE's
-SAFE_MODEL_KEYS = ("model.dropout",)  # model keys that change no shape
 RUN_GLOB = "outputs/*/*/checkpoints/last.ckpt"  # where `ckpt_path=last` looks when resume_dir is null
 RESUME_FILE = "resume_diff.yaml"
 WORLD_KEY = "world"  # {world_size, global_batch, lr} of the run that saved a checkpoint (DiffusionModule)
@@ -89,8 +89,18 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tup
     return {k: (a.get(k, missing), b.get(k, missing)) for k in keys if a.get(k, missing) != b.get(k, missing)}
 
 
-def is_breaking(key: str) -> bool:
-    return key.startswith(BREAKING) and key not in SAFE_MODEL_KEYS
+def breaking_changes(diff: Mapping[str, tuple[Any, Any]], old: Mapping[str, Any], new: Mapping[str, Any]) -> dict:
+    """The changes of `diff` that break a run: model keys only where the network's shape changes (weights.init's
+    architecture, defaults filled in: dropout, activation checkpointing, a default written out are safe)."""
+    shapes = [architecture(config.get("model") or {}) for config in (old, new)]
+    return {key: change for key, change in diff.items() if key.startswith(BREAKING) and not _same_shape(key, *shapes)}
+
+
+def _same_shape(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    if not key.startswith("model.") or key == "model._target_":
+        return False
+    name = key.removeprefix("model.").split(".")[0]
+    return old.get(name) == new.get(name)
 
 
 def load_training_checkpoint(path: Path) -> dict[str, Any]:
@@ -117,8 +127,9 @@ def check_resume(
 ) -> dict[str, tuple[Any, Any]]:
     """Load `path` safely, refuse config changes that break the run, record the others in resume_diff.yaml."""
     checkpoint = load_training_checkpoint(path) if checkpoint is None else checkpoint
-    diff = config_diff(run_config(checkpoint, needs=("model",)), config)
-    breaking = {k: v for k, v in diff.items() if is_breaking(k)}
+    before = run_config(checkpoint, needs=("model",))
+    diff = config_diff(before, config)
+    breaking = breaking_changes(diff, before, config)
     if breaking:
         lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in breaking.items())
         raise CheckpointError(
