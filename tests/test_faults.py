@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpm.atomic import atomic_save
 from ddpm.callbacks.nan_guard import NaNGuard, NonFiniteLossError
 from ddpm.callbacks.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from ddpm.config import validate_config
@@ -102,6 +103,10 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, mo
     with pytest.raises(OSError, match=named + r"intact.*Free disk space.*callbacks\.checkpoint\.dirpath.*ckpt_path="):
         io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    with pytest.raises(OSError, match=r"ema.pt.*No file of that name.*ckpt_path=<run dir>; a run that took its last "
+                       r"step needs no resume: sample.py and python -m ddpm.export read the EMA weights from its "
+                       r"checkpoints/last.ckpt"):  # fmt: skip  # written after the fit: a resume is refused there
+        atomic_save({"w": torch.zeros(3)}, tmp_path / "ema.pt")
 
 
 def test_checkpoint_with_non_finite_weights_is_never_written(tmp_path: Path) -> None:

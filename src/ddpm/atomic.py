@@ -44,13 +44,15 @@ def _describe_failure(path: Path, tmp: Path, error: BaseException, size: int | N
         free = None
     code = getattr(error, "errno", None) or errno.EIO
     cause = getattr(error, "strerror", None) or str(error).splitlines()[0][:200]
+    kept = "The previous file there is intact." if path.exists() else "No file of that name was there before."
+    after = ("; a run that took its last step needs no resume: sample.py and python -m ddpm.export read the EMA "
+             "weights from its checkpoints/last.ckpt" if path.name.startswith("ema.") else "")  # fmt: skip
     return WriteError(
         code,
         f"could not write {path} ({cause}): it needs about {_megabytes(size)}, {_megabytes(written)} were written "
         f"before the failure and {_megabytes(free)} are free on its disk (a file-size limit, `ulimit -f`, also "
-        "stops writes). The previous file there is intact. Free disk space or write elsewhere "
-        "(callbacks.checkpoint.dirpath for checkpoints, hydra.run.dir for a run), then resume with "
-        "ckpt_path=<run dir>",
+        f"stops writes). {kept} Free disk space or write elsewhere (callbacks.checkpoint.dirpath for checkpoints, "
+        f"hydra.run.dir for a run), then resume with ckpt_path=<run dir>{after}",
     )
 
 

@@ -251,7 +251,7 @@ def check_steps_left(ckpt_path: Path, step: int, max_steps: int, *, vae: bool = 
     if max_steps is not None and max_steps >= 0 and step >= max_steps:
         kept = (f"a VAE run writes its <run>/vae/ folder when a fit ends: without one (a run stopped while writing "
                 f"it), trainer.max_steps={step + 1} trains one step and writes it" if vae else "its EMA weights are "
-                "already in its ema.pt: python -m ddpm.export or sample.py read them")  # fmt: skip
+                "in its ema.pt and the checkpoint: sample.py and python -m ddpm.export read either")  # fmt: skip
         raise NoTrainingStep(
             f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to train; "
             f"raise trainer.max_steps (e.g. trainer.max_steps={step + max(step, 1)}) to continue the run ({kept})"
