@@ -306,6 +306,10 @@ def test_load_export_refuses_foreign_or_edited_folders(exports, tmp_path):
         CheckpointError, match=r"\['num_heads'\] disagree with ddpm_config\.json's model; the folder was edited"
     ):
         load_export(heads)  # loaded before: a network other than the one its run config reports
+    listed = shutil.copytree(exports["eps"], tmp_path / "listed")  # valid JSON, not an object: an AttributeError
+    (listed / "scheduler" / "scheduler_config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"scheduler_config.json holds a JSON list, not an object; re-export"):
+        load_export(listed)
 
 
 def test_export_cli_refuses_bad_arguments_and_foreign_folders(exports, tmp_path, capsys):

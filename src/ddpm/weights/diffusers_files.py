@@ -44,13 +44,18 @@ def scheduler_config(diffusion: GaussianDiffusion | EDMDiffusion) -> dict[str, A
 
 def read_json(path: Path, folder: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        loaded = json.loads(path.read_text())
     except FileNotFoundError as error:
         raise CheckpointError(
             f"{folder} lacks {path.relative_to(folder)}; re-export with python -m ddpm.export"
         ) from error
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is not readable JSON ({error}); re-export with python -m ddpm.export") from error
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(loaded).__name__}, not an object; re-export with python -m ddpm.export"
+        )
+    return loaded
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
