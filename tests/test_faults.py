@@ -33,11 +33,12 @@ from ddpm.config import validate_config
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.webdataset import WebDataModule
 from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.distributed import slurm_plugins
 from ddpm.memory import explain_oom
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule
 from ddpm.resume import check_resume, resolve_ckpt_path
-from ddpm.training import slurm_plugins, train
+from ddpm.training import train
 from ddpm.weights import CheckpointError
 from ddpm.weights.lightning_io import AtomicCheckpointIO, NonFiniteCheckpointError
 from ddpm.weights.model import CHECKPOINT_KEY
@@ -261,15 +262,37 @@ def test_sigterm_stops_a_real_train_py_run_with_143_and_a_loadable_last_ckpt(tmp
 
 
 def test_slurm_requeue_plugin_only_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL"):
         monkeypatch.delenv(name, raising=False)
-    cfg = OmegaConf.create({"slurm_requeue": True})
-    assert slurm_plugins(cfg) == []
+    assert slurm_plugins() == []
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_NAME", "ddpm")
-    (plugin,) = slurm_plugins(cfg)
+    (plugin,) = slurm_plugins()
     assert isinstance(plugin, SLURMEnvironment) and plugin.auto_requeue and plugin.requeue_signal == signal.SIGUSR1
-    assert slurm_plugins(OmegaConf.create({"slurm_requeue": False})) == []
+    assert slurm_plugins(requeue=False) == []
+
+
+def test_a_submitit_job_is_requeued_by_lightning_on_submitits_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hydra/launcher=slurm: submitit's sbatch says --signal=USR2@<signal_delay_s> and submitit's handler of USR2
+    (installed before train() runs) ended the job without a checkpoint (max_num_timeout=0); Lightning registers its
+    save-and-requeue handler only where no handler is, and listened to USR1."""
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "ddpm")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    submitits = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGUSR2, submitits)
+    try:
+        (plugin,) = slurm_plugins()
+        assert plugin.requeue_signal == signal.SIGUSR2
+        trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_checkpointing=False)
+        trainer._signal_connector.register_signal_handlers()
+        handler = signal.getsignal(signal.SIGUSR2)
+        assert handler is not submitits
+        assert trainer._signal_connector._slurm_sigusr_handler_fn in handler.signal_handlers
+        trainer._signal_connector.teardown()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
 
 
 def test_out_of_memory_on_the_first_step_says_what_to_lower(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ MASTER_ADDR, MASTER_PORT, the world size expected and how many ranks joined.
 
 import os
 import re
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,6 +21,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 
 class PeersMissing(RuntimeError):
@@ -70,3 +72,18 @@ def join_message(error: str, *, world_size: int, num_nodes: int, seconds: float)
         "reachable on MASTER_PORT from the others (firewall, the node's address), or raise dist_timeout_s if the "
         f"nodes start far apart. Torch said: {error.strip().splitlines()[0][:300]}"
     )
+
+
+def slurm_plugins(*, requeue: bool = True) -> list[SLURMEnvironment]:
+    """Under SLURM, requeue the job on its pre-timeout signal: Lightning saves hpc_ckpt_<n>.ckpt in the run folder
+    and calls `scontrol requeue`; the requeued job resumes in place (ddpm.resume.requeued_from). A job of the
+    submitit launcher (hydra/launcher=slurm) is warned with submitit's signal (USR2, or SUBMITIT_PREEMPT_SIGNAL),
+    whose handler submitit installs first: it ended the job without a checkpoint (max_num_timeout=0) or resubmitted
+    it with none, and Lightning installs its own only where no handler is. Lightning takes that signal here."""
+    if not requeue or not SLURMEnvironment.detect():
+        return []
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return [SLURMEnvironment(auto_requeue=True)]  # sbatch's --signal=USR1@<s> (docs/scaling.md)
+    warned = getattr(signal, f"SIG{os.environ.get('SUBMITIT_PREEMPT_SIGNAL', 'USR2')}")
+    signal.signal(warned, signal.SIG_DFL)  # submitit's checkpoint_and_try_requeue
+    return [SLURMEnvironment(auto_requeue=True, requeue_signal=warned)]

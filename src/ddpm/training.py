@@ -12,7 +12,6 @@ import lightning.pytorch as pl
 from hydra.utils import get_class
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from ddpm.callbacks.ema import EMA
@@ -20,7 +19,7 @@ from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
-from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
+from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, slurm_plugins
 from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
@@ -109,13 +108,6 @@ def keep_metrics_history(loggers: list[Any] | bool) -> None:
 def build_loggers(cfg: DictConfig) -> list[Any] | bool:
     loggers = [build(node) for node in (cfg.get("logger") or {}).values() if node is not None]
     return loggers or False
-
-
-def slurm_plugins(cfg: DictConfig) -> list[Any]:
-    """Under SLURM, requeue the job on its pre-timeout signal (Lightning checkpoints, then scontrol requeue)."""
-    if not cfg.get("slurm_requeue", True) or not SLURMEnvironment.detect():
-        return []
-    return [SLURMEnvironment(auto_requeue=True)]
 
 
 def resolve_config(cfg: DictConfig) -> dict[str, Any]:
@@ -222,7 +214,7 @@ def train(cfg: DictConfig) -> float | None:
             callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # dist_timeout_s after the join
             logger=loggers,
             default_root_dir=str(output_dir),
-            plugins=[AtomicCheckpointIO(), *slurm_plugins(cfg)],
+            plugins=[AtomicCheckpointIO(), *slurm_plugins(requeue=cfg.get("slurm_requeue", True))],
         )
         timeout = keys.dist_timeout_s
         bound_join(trainer, timeout)
