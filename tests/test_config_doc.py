@@ -25,8 +25,11 @@ def test_a_new_undocumented_option_or_key_is_caught(tmp_path: Path) -> None:
         "# Adam, documented.\n_target_: ddpm.optim.AdamW\nbetas: [0.9, 0.999]\nsecret: 3\n"
     )
     (tmp_path / "train.yaml").write_text("# Entry.\ndefaults:\n  - optim: adam\n# the seed\nseed: 1\n")
+    (tmp_path / "experiment").mkdir()  # a _global_ file: its keys of other groups are documented there
+    (tmp_path / "experiment" / "quick.yaml").write_text("# @package _global_\n# Quick.\noptim:\n  lr: 0.2\nnote: 1\n")
     files = load(tmp_path)
     assert sorted(undocumented(files)) == [
+        "conf/experiment/quick.yaml: note",  # a key of no group, not commented: as in any other file
         "conf/optim/adam.yaml: secret",  # no comment, and AdamW has no argument `secret`
         "conf/optim/sgd.yaml",  # no header comment
     ]  # momentum: from torch.optim.SGD's docstring; betas: from AdamW's source comment; seed: the line above
@@ -57,3 +60,9 @@ def test_an_experiments_note_does_not_stand_beside_the_other_experiments_values(
     row = lambda start: next(line for line in lines if line.startswith(start))  # noqa: E731
     assert row("| `data.batch_size` | `128` |").endswith("| per device |")
     assert row("| `ema.decay` | `0.9999` |").endswith("| target EMA decay |")
+
+
+def test_a_search_space_key_the_studies_explain_differently_shows_each_studys_words() -> None:
+    """hparams_search's table showed mnist_quality's "inert" note on ema.decay beside optuna's values, which do differ."""
+    row = next(line for line in render().splitlines() if line.startswith("| `hydra.sweeper.params.ema.decay` |"))
+    assert "mnist_quality: inert" in row and "optuna: EMA of the weights" in row

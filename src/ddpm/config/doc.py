@@ -183,13 +183,13 @@ def undocumented(files: list[ConfigFile] | None = None) -> list[str]:
         where = f"conf/{cfg.group + '/' if cfg.group else ''}{cfg.name}.yaml"
         if not cfg.header:
             missing.append(where)
-        if cfg.is_global:
-            continue
         for entry in cfg.entries:
-            last = entry.path.split(".")[-1]
+            last, (head, _, rest) = entry.path.split(".")[-1], entry.path.partition(".")
+            in_group = cfg.is_global and ((head, rest) in descriptions or ("train.yaml", entry.path) in descriptions)
             if last in UNDOCUMENTED_OK or not is_leaf(cfg, entry) or (scope(cfg), entry.path) in descriptions:
                 continue
-            missing.append(f"{where}: {entry.path}")
+            if not in_group:  # an experiment's data.batch_size is documented in group data
+                missing.append(f"{where}: {entry.path}")
     return missing
 
 
@@ -239,6 +239,7 @@ def table(group: str, options: list[ConfigFile], descriptions: dict) -> list[str
         text = (
             shared_comment(options, key, neutral)
             or neutral
+            or (per_option(options, key) if glob else "")
             or descriptions.get((group, key))
             or ("the class instantiated" if key.endswith("_target_") else "")
         )
@@ -254,6 +255,13 @@ def shared_comment(options: list[ConfigFile], key: str, neutral: str | None) -> 
     setting = sum(any(e.path == key for e in o.entries) for o in options)
     commented = sum(bool(describe(o, e)) for o in options for e in o.entries if e.path == key)
     return next(iter(said)) if neutral and len(said) == 1 and commented == setting else ""
+
+
+def per_option(options: list[ConfigFile], key: str) -> str:
+    """Each option's comment, named, where the options setting the key say different things (a search space's
+    `ema.decay`: inert in one study, not in the other); else ""."""
+    said = {o.name: text for o in options for e in o.entries if e.path == key and (text := describe(o, e))}
+    return "; ".join(f"{name}: {text}" for name, text in said.items()) if len(set(said.values())) > 1 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
