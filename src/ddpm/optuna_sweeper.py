@@ -165,8 +165,8 @@ def stop_message(failed: list[str], ran: int, cap: int | None) -> str:
         else f"no trial of the study completed ({len(failed)} of the {ran} trials of this invocation failed)"
     )
     listed = "\n".join(f"  {line}" for line in failed)
+    more = ", or raise hydra.sweeper.max_failures (null: no cap) to let the study go on past failures" if cap else ""
     return (
         f"{cause}. Each is recorded FAIL in the study, its error in summary.csv and its job's {RESULT_FILE}:\n"
-        f"{listed}\nFix the cause above, or raise hydra.sweeper.max_failures (null: no cap) to let the study go on "
-        "past failures"
+        f"{listed}\nFix the cause above{more}"
     )
