@@ -63,6 +63,6 @@ def test_an_experiments_note_does_not_stand_beside_the_other_experiments_values(
 
 
 def test_a_search_space_key_the_studies_explain_differently_shows_each_studys_words() -> None:
-    """hparams_search's table showed mnist_quality's "inert" note on ema.decay beside optuna's values, which do differ."""
+    """hparams_search's table showed mnist_quality's "inert" note on ema.decay beside optuna's values, which differ."""
     row = next(line for line in render().splitlines() if line.startswith("| `hydra.sweeper.params.ema.decay` |"))
     assert "mnist_quality: inert" in row and "optuna: EMA of the weights" in row

@@ -150,3 +150,20 @@ def test_sigterm_to_rank_0_stops_both_ranks_at_the_next_logged_step_with_one_che
     step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 0 < step < 400 and step % 25 == 0, step  # eager per-step agreement: 1 chance in 25
     assert f"saved {run_dir / 'checkpoints' / 'last.ckpt'} at step {step}" in output
+
+
+def test_epoch_means_are_per_sample_means_and_empty_processes_take_part() -> None:
+    """ddpm.epoch_mean: batches of 3 and 1 samples with means 1 and 4 average to (3 + 4) / 4 per sample; a process
+    without batches still reduces (zeros), and an epoch without samples anywhere logs nothing."""
+    from types import SimpleNamespace
+
+    from ddpm.epoch_mean import EpochMeans
+
+    reduced: list[torch.Tensor] = []
+    strategy = SimpleNamespace(reduce=lambda t, reduce_op: reduced.append(t) or t)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy), device=torch.device("cpu"))
+    means = EpochMeans(("val/loss", "val/kl"))
+    means.add((torch.tensor(1.0), torch.tensor(2.0)), 3)
+    means.add((torch.tensor(4.0, dtype=torch.bfloat16), torch.tensor(0.0)), 1)
+    assert {k: v.item() for k, v in means.reduce(module).items()} == {"val/loss": 1.75, "val/kl": 1.5}
+    assert means.reduce(module) == {} and reduced[-1].tolist() == [0.0, 0.0, 0.0]  # reset, and still reduced

@@ -262,6 +262,24 @@ def test_train_py_runs_on_shards(tmp_path: Path):
     assert (run_dir / "ema.pt").is_file()
 
 
+@pytest.mark.slow
+def test_ddp_ranks_given_different_validation_batch_counts_finish(tmp_path: Path):
+    """A streamed validation shard of one sample on 2 processes: rank 1 has no batch. It never joined Lightning's
+    val/loss all-reduce, and rank 0's forward waited in DDP's buffer broadcast: the run hung at the sanity check."""
+    for name, limit in (("train", "600"), ("val", "1")):
+        run("python", "-m", "ddpm.data.make_shards", "digits", str(tmp_path / name), "--samples-per-shard", "300",
+            "--image-size", "16", "--channels", "1", "--limit", limit, timeout=120)  # fmt: skip
+    run_dir = tmp_path / "run"
+    train("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data=webdataset",
+          f'data.urls="{tmp_path}/train/shard-{{000000..000001}}.tar"', "data.num_workers=0",
+          f"data.val_urls={tmp_path}/val/shard-000000.tar", "data.batch_size=4", "data.epoch_length=32",
+          "trainer.max_steps=2", "trainer.val_check_interval=1", "callbacks.sample_grid=null",
+          f"hydra.run.dir={run_dir}", timeout=240)  # fmt: skip
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        losses = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses) and (run_dir / "ema.pt").is_file()
+
+
 @pytest.mark.parametrize("size", [(64, 40), (28, 24), (20, 36), (28, 28), (40, 40)])  # (width, height)
 def test_an_image_in_a_shard_is_sized_as_an_image_folder_sizes_it(tmp_path: Path, size) -> None:
     """decode() read only the width: 28x24 came out (1, 28, 32) (torch.stack fails on a mixed batch), 64x40 was

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from torch import nn
 
 
 class PeersMissing(RuntimeError):
@@ -87,3 +88,11 @@ def slurm_plugins(*, requeue: bool = True) -> list[SLURMEnvironment]:
     warned = getattr(signal, f"SIG{os.environ.get('SUBMITIT_PREEMPT_SIGNAL', 'USR2')}")
     signal.signal(warned, signal.SIG_DFL)  # submitit's checkpoint_and_try_requeue
     return [SLURMEnvironment(auto_requeue=True, requeue_signal=warned)]
+
+
+def keep_buffers_local(module: nn.Module) -> None:
+    """DDP broadcasts rank 0's buffers before every forward, validation's too: a collective per batch, so ranks
+    given different numbers of validation batches (a streamed validation pass) waited for each other for ever. Ours
+    are constants built alike on every rank (the schedule, the validation grid) or each rank's own on purpose (the
+    labels it saw): DDP leaves them alone (torch's `_ddp_params_and_buffers_to_ignore`)."""
+    module._ddp_params_and_buffers_to_ignore = [name for name, _ in module.named_buffers()]

@@ -19,6 +19,8 @@ from torch import Tensor
 from ddpm.callbacks.monitor import logs_this_step
 from ddpm.diffusion.edm import EDMDiffusion
 from ddpm.diffusion.gaussian import GaussianDiffusion
+from ddpm.distributed import keep_buffers_local
+from ddpm.epoch_mean import EpochMeans
 from ddpm.logs import say
 from ddpm.models.unet import UNet
 from ddpm.optim import AdamW
@@ -55,6 +57,8 @@ class DiffusionModule(pl.LightningModule):
         self.register_buffer("bad_labels", torch.tensor([0, 2**62, -(2**62)]), persistent=False)
         self.save_hyperparameters({"config": run_config or {}})
         self._checked = {"train": False, "val": False}
+        self.val_means = EpochMeans(("val/loss",))
+        keep_buffers_local(self)
         self._loss_fn = self._loss  # the compiled loss after configure_model, when compile is set
 
     def configure_model(self) -> None:
@@ -91,7 +95,7 @@ class DiffusionModule(pl.LightningModule):
         generator = torch.Generator().manual_seed(self.val_seed + batch_idx)
         noise = torch.randn(x0.shape, generator=generator).to(x0.device)
         loss = self.diffusion.loss(self.net, x0, t, noise, self._valid_labels(y))
-        self.log("val/loss", loss, sync_dist=True)
+        self.val_means.add((loss,), x0.shape[0])  # logged at the epoch's end, by every process (ddpm.epoch_mean)
         return loss
 
     def _training_labels(self, y: Tensor) -> Tensor | None:
@@ -113,8 +117,13 @@ class DiffusionModule(pl.LightningModule):
 
     def check_labels_seen(self) -> None:
         """Stop the run if a batch since the start held a label outside 0..num_classes-1 (one host sync: called at
-        logged steps, before a checkpoint is written and at the end of training and validation)."""
-        count, low, high = self.bad_labels.tolist()
+        logged steps, before a checkpoint is written and at the end of training and validation); every process
+        reads every process's record (each keeps its own: distributed.keep_buffers_local): all stop together."""
+        seen = self.bad_labels
+        if self._trainer is not None and self.trainer.world_size > 1:
+            every = self.all_gather(seen).reshape(-1, 3)  # (world_size, 3)
+            seen = torch.stack([every[:, 0].sum(), every[:, 1].min(), every[:, 2].max()])
+        count, low, high = seen.tolist()
         if count:
             raise ValueError(label_error(f"{count} label(s) in the training or validation batches", low, high,
                                          self.net.num_classes))  # fmt: skip
@@ -204,7 +213,11 @@ class DiffusionModule(pl.LightningModule):
     def on_train_end(self) -> None:
         self.check_labels_seen()
 
+    def on_validation_epoch_start(self) -> None:
+        self.val_means.reset()
+
     def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.val_means.reduce(self))
         self.check_labels_seen()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from ddpm.atomic import atomic_folder
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.monitor import logs_this_step
+from ddpm.distributed import keep_buffers_local
+from ddpm.epoch_mean import EpochMeans
 from ddpm.logs import say
 from ddpm.models.autoencoder import Reconstruction, latent_statistics, vae_loss
 from ddpm.module import DiffusionModule
@@ -75,6 +77,8 @@ class VAEModule(pl.LightningModule):
         self.factor = 2 ** (len(net.config.block_out_channels) - 1)  # pixels per latent, each side
         self.save_hyperparameters({"config": run_config or {}})
         self._checked = False
+        self.val_means = EpochMeans(("val/loss", "val/rec", "val/kl"))
+        keep_buffers_local(self)
         self._loss_fn = self._loss  # the compiled loss after configure_model, when compile is set
 
     # The diffusion module's optimizer (its fp16 unscale), LR rule after a resume, data position and gradient clipping.
@@ -83,6 +87,7 @@ class VAEModule(pl.LightningModule):
     configure_gradient_clipping = DiffusionModule.configure_gradient_clipping
     optimizer_step = DiffusionModule.optimizer_step
     on_train_start = DiffusionModule.on_train_start
+    on_validation_epoch_start = DiffusionModule.on_validation_epoch_start
     _follow_lr_rule = DiffusionModule._follow_lr_rule
     _follow_data_position = DiffusionModule._follow_data_position
 
@@ -111,9 +116,11 @@ class VAEModule(pl.LightningModule):
         generator = torch.Generator().manual_seed(self.val_seed + batch_idx)
         noise = torch.randn(self.latent_shape(x), generator=generator).to(x.device)
         loss = self._loss(x, noise)
-        self.log_dict({"val/loss": loss[0], "val/rec": loss[1], "val/kl": loss[2]}, sync_dist=True,
-                      batch_size=x.shape[0])  # fmt: skip
+        self.val_means.add(tuple(loss), x.shape[0])  # val/loss, val/rec, val/kl at the epoch's end (ddpm.epoch_mean)
         return loss[0]
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.val_means.reduce(self))
 
     def latent_shape(self, x: Tensor) -> tuple[int, int, int, int]:
         """(B, c, h, w) of the latents of images x (B, C, H, W)."""
