@@ -33,7 +33,7 @@ from ddpm.config import validate_config
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.webdataset import WebDataModule
 from ddpm.diffusion.gaussian import GaussianDiffusion
-from ddpm.distributed import slurm_plugins
+from ddpm.distributed import requeue_signal, slurm_plugins
 from ddpm.memory import explain_oom
 from ddpm.models.unet import UNet
 from ddpm.module import DiffusionModule
@@ -262,37 +262,86 @@ def test_sigterm_stops_a_real_train_py_run_with_143_and_a_loadable_last_ckpt(tmp
 
 
 def test_slurm_requeue_plugin_only_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL"):
+    """Under SLURM, Lightning's requeue handler is off (it saved inside the signal handler: ranks hung) and
+    Preemption takes USR1; torchrun inside an allocation keeps TorchElastic's ranks (every process was rank 0)."""
+    for name in (
+        "SLURM_NTASKS",
+        "SLURM_JOB_NAME",
+        "SUBMITIT_EXECUTOR",
+        "SUBMITIT_PREEMPT_SIGNAL",
+        "TORCHELASTIC_RUN_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
-    assert slurm_plugins() == []
+    assert slurm_plugins() == [] and requeue_signal() is None
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_NAME", "ddpm")
     (plugin,) = slurm_plugins()
-    assert isinstance(plugin, SLURMEnvironment) and plugin.auto_requeue and plugin.requeue_signal == signal.SIGUSR1
-    assert slurm_plugins(requeue=False) == []
+    assert isinstance(plugin, SLURMEnvironment) and not plugin.auto_requeue
+    assert requeue_signal() == signal.SIGUSR1 and requeue_signal(requeue=False) is None
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+                        "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert slurm_plugins() == [] and requeue_signal() is None
 
 
-def test_a_submitit_job_is_requeued_by_lightning_on_submitits_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_submitit_job_is_saved_and_requeued_on_submitits_signal(monkeypatch: pytest.MonkeyPatch) -> None:
     """hydra/launcher=slurm: submitit's sbatch says --signal=USR2@<signal_delay_s> and submitit's handler of USR2
-    (installed before train() runs) ended the job without a checkpoint (max_num_timeout=0); Lightning registers its
-    save-and-requeue handler only where no handler is, and listened to USR1."""
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    monkeypatch.setenv("SLURM_JOB_NAME", "ddpm")
-    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    (installed before train() runs) ended the job without a checkpoint (max_num_timeout=0): Preemption takes it."""
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "ddpm", "SUBMITIT_EXECUTOR": "slurm"}.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     submitits = lambda signum, frame: None  # noqa: E731
     previous = signal.signal(signal.SIGUSR2, submitits)
     try:
+        preemption = Preemption()
+        preemption.requeue_on = requeue_signal()
+        assert preemption.requeue_on == signal.SIGUSR2 and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
         (plugin,) = slurm_plugins()
-        assert plugin.requeue_signal == signal.SIGUSR2
         trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_checkpointing=False)
-        trainer._signal_connector.register_signal_handlers()
-        handler = signal.getsignal(signal.SIGUSR2)
-        assert handler is not submitits
-        assert trainer._signal_connector._slurm_sigusr_handler_fn in handler.signal_handlers
-        trainer._signal_connector.teardown()
+        preemption.on_fit_start(trainer, None)
+        assert signal.getsignal(signal.SIGUSR2) == preemption._handle
+        preemption.teardown(trainer, None, "fit")
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.slow
+def test_a_slurm_job_warned_before_its_limit_is_saved_requeued_and_resumes_in_place(tmp_path: Path) -> None:
+    """SLURM's USR1 (sbatch --signal=USR1@<s>): Lightning's own handler saved an hpc checkpoint inside the signal
+    handler (the ranks' collectives crossed: a hang); now the checkpoint is written at a step boundary, rank 0 calls
+    `scontrol requeue <job>` (a stand-in on PATH records it), and the job SLURM runs again (SLURM_RESTART_COUNT=1,
+    the same folder, no ckpt_path) resumes from that last.ckpt."""
+    bin_dir, calls, run_dir, log = tmp_path / "bin", tmp_path / "scontrol.txt", tmp_path / "run", tmp_path / "out.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "ddpm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+             "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+    argv = [helpers.PYTHON, "train.py", *helpers.TINY_RUN, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"]
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(**slurm), stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + 240
+            while not (run_dir / "checkpoints" / "step_0000003.ckpt").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGUSR1)
+            code = process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    output = log.read_text()
+    assert code == EXIT_PREEMPTED and calls.read_text() == "requeue 4242\n", output[-3000:]
+    saved = re.search(r"Received SIGUSR1: saved (\S+) at step (\d+); exiting with 143. requeued SLURM job 4242", output)
+    assert saved and Path(saved[1]) == run_dir / "checkpoints" / "last.ckpt", output[-3000:]
+    assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))
+    step = int(saved[2])
+    again = helpers.train(*helpers.TINY_RUN, f"trainer.max_steps={step + 2}", f"hydra.run.dir={run_dir}",
+                          extra_env={**slurm, "SLURM_RESTART_COUNT": "1"})  # fmt: skip
+    assert f"Resuming {run_dir}/checkpoints/last.ckpt at step {step}" in again.stdout + again.stderr
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 2
 
 
 def test_out_of_memory_on_the_first_step_says_what_to_lower(tmp_path: Path) -> None:

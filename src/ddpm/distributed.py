@@ -13,6 +13,7 @@ MASTER_ADDR, MASTER_PORT, the world size expected and how many ranks joined.
 import os
 import re
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -21,7 +22,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from torch import nn
 
 
@@ -75,19 +76,45 @@ def join_message(error: str, *, world_size: int, num_nodes: int, seconds: float)
     )
 
 
-def slurm_plugins(*, requeue: bool = True) -> list[SLURMEnvironment]:
-    """Under SLURM, requeue the job on its pre-timeout signal: Lightning saves hpc_ckpt_<n>.ckpt in the run folder
-    and calls `scontrol requeue`; the requeued job resumes in place (ddpm.resume.requeued_from). A job of the
-    submitit launcher (hydra/launcher=slurm) is warned with submitit's signal (USR2, or SUBMITIT_PREEMPT_SIGNAL),
-    whose handler submitit installs first: it ended the job without a checkpoint (max_num_timeout=0) or resubmitted
-    it with none, and Lightning installs its own only where no handler is. Lightning takes that signal here."""
-    if not requeue or not SLURMEnvironment.detect():
+def slurm_plugins() -> list[SLURMEnvironment]:
+    """Under SLURM (not torchrun inside an allocation, whose ranks stand: Lightning's own order), the SLURM environment
+    with Lightning's requeue off. Its handler saved a checkpoint inside the signal handler, wherever each rank was,
+    and the save's collectives met another collective on the other ranks: every rank hung until the time limit.
+    ddpm.callbacks.preemption saves at a step the ranks agree on, then requeues where slurm_requeue (`requeue_signal`).
+    Off or on, Lightning's handler stays off: the environment it detects by itself would install it."""
+    if TorchElasticEnvironment.detect() or not SLURMEnvironment.detect():
         return []
+    return [SLURMEnvironment(auto_requeue=False)]
+
+
+def requeue_signal(*, requeue: bool = True) -> int | None:
+    """The signal SLURM warns this job with before its time limit, on which it is checkpointed and requeued: USR1
+    (sbatch's --signal=USR1@<s>), or submitit's under hydra/launcher=slurm (USR2, or SUBMITIT_PREEMPT_SIGNAL), whose
+    handler submitit installed first: it ended the job without a checkpoint (max_num_timeout=0). None: no requeue."""
+    if not requeue or not slurm_plugins():
+        return None
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return [SLURMEnvironment(auto_requeue=True)]  # sbatch's --signal=USR1@<s> (docs/scaling.md)
+        return signal.SIGUSR1
     warned = getattr(signal, f"SIG{os.environ.get('SUBMITIT_PREEMPT_SIGNAL', 'USR2')}")
     signal.signal(warned, signal.SIG_DFL)  # submitit's checkpoint_and_try_requeue
-    return [SLURMEnvironment(auto_requeue=True, requeue_signal=warned)]
+    return warned
+
+
+def requeue_job() -> str:
+    """`scontrol requeue` this job (an array task by its array id); what it said."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"scontrol requeue {job} failed ({error}): requeue it by hand"
+    said = (done.stderr or done.stdout).strip()
+    return f"requeued SLURM job {job}" if done.returncode == 0 else f"scontrol requeue {job} failed: {said}"
+
+
+def restarted() -> bool:
+    """A SLURM job run again by a requeue (SLURM_RESTART_COUNT > 0): the same command, into the same folder."""
+    return os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
 
 
 def keep_buffers_local(module: nn.Module) -> None:

@@ -11,12 +11,13 @@ world size, global batch and learning rate before and after (`world`).
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ddpm.distributed import restarted
 from ddpm.logs import say
 from ddpm.ranks import first_process
 from ddpm.weights.init import architecture
@@ -198,15 +199,21 @@ def hpc_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def requeued_from(output_dir: Path, ckpt_path: Path | None) -> Path | None:
-    """The checkpoint a run resumes from: the run folder's hpc checkpoint where it is newer than `ckpt_path` (a
-    requeued SLURM job runs its first command again, whose ckpt_path, if any, is older than what the requeue saved);
-    else `ckpt_path`."""
-    hpc = hpc_checkpoint(output_dir)
+def requeued_from(output_dir: Path, ckpt_path: Path | None, checkpoint_dirs: Sequence[Path] = ()) -> Path | None:
+    """The checkpoint a run resumes from: the newest of `ckpt_path`, the run folder's hpc checkpoint and, in a job
+    SLURM runs again (requeued after its warning signal's checkpoint, a preemption or a node failure: the same command,
+    whose ckpt_path, if any, is older), the last.ckpt of its checkpoint folders."""
     missing = ckpt_path is not None and not Path(ckpt_path).is_file()  # refused by name later
-    if hpc is None or missing or (ckpt_path is not None and hpc.stat().st_mtime <= Path(ckpt_path).stat().st_mtime):
+    saved = [hpc_checkpoint(output_dir)]
+    if restarted():
+        saved += [folder / "last.ckpt" for folder in [*checkpoint_dirs, output_dir / "checkpoints"]]
+    found = [path for path in saved if path is not None and path.is_file()]
+    if missing or not found:
+        return ckpt_path
+    newest = max(found, key=lambda path: path.stat().st_mtime)
+    if ckpt_path is not None and newest.stat().st_mtime <= Path(ckpt_path).stat().st_mtime:
         return ckpt_path
     if ckpt_path is not None and first_process():
-        say(f"Resuming from {hpc}, which SLURM's requeue saved after ckpt_path={ckpt_path} (delete it to resume "
+        say(f"Resuming from {newest}, which this SLURM job saved after ckpt_path={ckpt_path} (delete it to resume "
             "from ckpt_path)")  # fmt: skip
-    return hpc
+    return newest

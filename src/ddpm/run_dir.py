@@ -270,7 +270,9 @@ class RunFolderGuard(Callback):
             ckpt = resolve_ckpt_path(config.get("ckpt_path"), resume_dir=config.get("resume_dir"), output_dir=folder)
         except Exception:  # train() reports a bad ckpt_path; here it resumes nothing
             ckpt = None
-        ckpt = folder if held(folder, ("hpc_ckpt_*.ckpt",)) else ckpt  # SLURM's requeue resumes in place
+        from ddpm.distributed import restarted
+
+        ckpt = folder if restarted() or held(folder, ("hpc_ckpt_*.ckpt",)) else ckpt  # a requeue resumes in place
         try:
             claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key, **moved)
         except RunFolderTaken as refused:

@@ -19,7 +19,7 @@ from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
-from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, slurm_plugins
+from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, requeue_signal, slurm_plugins
 from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
@@ -57,6 +57,8 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
     others = [build(node, **checkpoint_options(node)) for node in nodes]
     others.sort(key=lambda callback: isinstance(callback, Preemption))
+    for preemption in [callback for callback in others if isinstance(callback, Preemption)]:
+        preemption.requeue_on = requeue_signal(requeue=cfg.get("slurm_requeue", True))  # checkpoint, then requeue
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
@@ -166,7 +168,7 @@ def train(cfg: DictConfig) -> float | None:
     check_validation_schedule(resolved.get("trainer") or {})
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(keys.ckpt_path, resume_dir=keys.resume_dir, output_dir=output_dir)
-    ckpt_path = requeued_from(output_dir, ckpt_path)  # a requeued SLURM job resumes in place
+    ckpt_path = requeued_from(output_dir, ckpt_path, checkpoint_dirs(resolved))  # a requeued SLURM job: in place
     claim_run(output_dir, ckpt_path=ckpt_path, overwrite=keys.overwrite,
               checkpoint_dirs=checkpoint_dirs(resolved))  # fmt: skip
     if keys.tune is not None:
@@ -214,7 +216,7 @@ def train(cfg: DictConfig) -> float | None:
             callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # dist_timeout_s after the join
             logger=loggers,
             default_root_dir=str(output_dir),
-            plugins=[AtomicCheckpointIO(), *slurm_plugins(requeue=cfg.get("slurm_requeue", True))],
+            plugins=[AtomicCheckpointIO(), *slurm_plugins()],
         )
         timeout = keys.dist_timeout_s
         bound_join(trainer, timeout)

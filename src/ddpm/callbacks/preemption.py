@@ -17,10 +17,12 @@ workers inherit the handler and ignore the signal (the terminal sends Ctrl-C to 
 worker that died of it would crash the main process with "DataLoader worker exited unexpectedly"). Lightning then
 installs its own SIGTERM handler (which would stop the sanity check or the current micro-batch with exit status 0
 and no checkpoint); this callback takes SIGTERM back at the sanity check's and the training's start, so a signal
-at any point of the fit is saved after the next optimizer step (step 1 at the earliest). Under SLURM with
-`SLURMEnvironment(auto_requeue=True)` Lightning handles the requeue signal itself (checkpoint and `scontrol
-requeue`), so this callback leaves that signal to it. Every handler is given back when fit ends. Under DDP the ranks
-agree on the signal at the steps Lightning logs (every `SIGNAL_EVERY` optimizer steps with log_every_n_steps=0).
+at any point of the fit is saved after the next optimizer step (step 1 at the earliest). Under SLURM, SLURM's
+warning signal (`requeue_on`: USR1, or submitit's USR2; ddpm.distributed turns Lightning's own requeue off, which
+saved inside the signal handler and hung the ranks) is saved the same way, then rank 0 requeues the job (`scontrol
+requeue`), which resumes in place (ddpm.resume.requeued_from). Every handler is given back when fit ends. Under DDP
+the ranks agree on the signal at the steps Lightning logs (every `SIGNAL_EVERY` optimizer steps with
+log_every_n_steps=0).
 """
 
 import contextlib
@@ -36,6 +38,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
 from ddpm.callbacks.monitor import logs_this_step
+from ddpm.distributed import requeue_job
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved, resume with ckpt_path=last"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (the shell's convention), with or without the checkpoint
@@ -76,6 +79,7 @@ class Preemption(Callback):
         self._pid: int | None = None  # the process that installed the handlers (forked workers inherit them)
         self._announce = False  # rank 0 says what a Ctrl-C does
         self._last: Path | None = None
+        self.requeue_on: int | None = None  # SLURM's warning signal: after its checkpoint, requeue the job (train())
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self._pid:
@@ -116,7 +120,12 @@ class Preemption(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received, self._pid = None, os.getpid()
         self._announce, self._last = trainer.is_global_zero, last_checkpoint_path(trainer)
-        self._install(trainer, list(self.signals))
+        self._install(trainer, list(self.signals) + self._requeue_names())
+
+    def _requeue_names(self) -> list[str]:
+        """The requeue signal where the configured ones leave it out (submitit's USR2)."""
+        name = signal.Signals(self.requeue_on).name if self.requeue_on is not None else None
+        return [name] if name and name not in self.signals else []
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._take_back(trainer)
@@ -127,7 +136,7 @@ class Preemption(Callback):
     def _take_back(self, trainer: pl.Trainer) -> None:
         """Replace the SIGTERM handler Lightning installed after on_fit_start (it calls ours too, so a signal that
         came in between is already ours; its own flag would stop the loop without a checkpoint)."""
-        self._install(trainer, [name for name in self.signals if name != "SIGINT"])
+        self._install(trainer, [name for name in self.signals if name != "SIGINT"] + self._requeue_names())
         connector = getattr(trainer, "_signal_connector", None)
         if connector is not None and "SIGTERM" in self.signals:  # ours now; left to Lightning, its flag stands
             connector.received_sigterm = False
@@ -141,10 +150,11 @@ class Preemption(Callback):
             rank_zero_info(f"Received {name} at the fit's last step ({trainer.global_step}): finishing")
             return
         path = last_checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path)  # by every rank, at the step they agreed on
+        requeued = requeue_job() if received == self.requeue_on and trainer.is_global_zero else None
         rank_zero_info(
             f"Received {name}: saved {path} at step {trainer.global_step}; exiting with {exit_code(received)}. "
-            f"Resume with: python train.py ckpt_path={path}"
+            + (f"{requeued}: it resumes from there" if requeued else f"Resume with: python train.py ckpt_path={path}")
         )
         raise Preempted(path, exit_code(received))
 
