@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from ddpm.data.latent_shards import content, read_meta, read_shard
 from ddpm.data.latent_stream import Batch, LatentStream
-from ddpm.data.ram import ImageTensorDataset, available_ram_bytes, keep_batch
+from ddpm.data.ram import ImageTensorDataset, available_ram_bytes, keep_batch, start_method
 from ddpm.data.sampler import ResumableLoader, ResumableSampler, RunShape, check_training_batches, generator
 from ddpm.data.sources import require, require_positive_int
 
@@ -189,8 +189,9 @@ class LatentDataModule(pl.LightningDataModule):
             self._stream(train, val, shape)
         else:
             moments, self.labels = self._load()
-            moments.share_memory_()
-            self.labels.share_memory_()
+            if self.num_workers > 0 and start_method() != "fork":  # as RAMDataModule: /dev/shm only for spawn
+                moments.share_memory_()
+                self.labels.share_memory_()
             self.train_set = ImageTensorDataset(moments, self.labels, train)
             self.val_set = ImageTensorDataset(moments, self.labels, val)
             if stage in (None, "fit"):

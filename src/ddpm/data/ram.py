@@ -4,6 +4,7 @@ Host memory holds (N, C, H, W) uint8 (a quarter of float32), shared with DataLoa
 shared memory; host-to-device copies stay uint8 and `on_after_batch_transfer` maps them to [-1, 1].
 """
 
+import multiprocessing
 import os
 from typing import Any
 
@@ -95,6 +96,11 @@ class ScaleOnDevice(pl.LightningDataModule):
         return images, labels
 
 
+def start_method() -> str:
+    """How DataLoader workers will start: the start method set, else the platform's default (not fixed here)."""
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
 class RAMDataModule(ScaleOnDevice):
     """Preloads `source` into RAM (uint8) once per process; seeded train/val split; device-side scaling."""
 
@@ -152,8 +158,9 @@ class RAMDataModule(ScaleOnDevice):
         data = self.source.load(image_size=self.image_size, channels=self.channels, limit=self.limit)  # only those
         self.loaded = len(data.images) if self.limit is None else self.source.count()  # the source's, before the limit
         validate_image_set(data, image_size=self.image_size)
-        data.images.share_memory_()  # workers see this storage, no copies (fork or spawn)
-        data.labels.share_memory_()
+        if self.num_workers > 0 and start_method() != "fork":  # spawn pickles the set to each worker: shared, not
+            data.images.share_memory_()  # copied; fork's workers read the parent's pages, and /dev/shm (Docker's
+            data.labels.share_memory_()  # 64 MB) could not hold CIFAR-10
         train, val = self._split(len(data.images))
         self.data = data
         self.train_set = ImageTensorDataset(data.images, data.labels, train)
