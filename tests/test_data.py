@@ -359,8 +359,9 @@ def test_only_mnist_is_padded_other_small_images_are_resized() -> None:
 
 
 def test_data_limit_decodes_only_the_images_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """data.limit=3 on a folder of 12 decoded all 12, then kept 3 (the RAM check had budgeted 3): a smoke run on a
-    large folder decoded all of it, and could run out of memory after the check passed."""
+    """data.limit=6 on a folder of 12 decoded all 12, then kept 6 (the RAM check had budgeted 6): a smoke run on a
+    large folder decoded all of it, and could run out of memory after the check passed. The 6 were the first files,
+    all of class c0 (the files are in class order): now a seeded sample of both classes."""
     from ddpm.data import image_folder as sources
 
     for i in range(12):
@@ -369,10 +370,12 @@ def test_data_limit_decodes_only_the_images_it_keeps(tmp_path: Path, monkeypatch
     monkeypatch.setattr(sources, "open_image", lambda path, *a, _open=sources.open_image, **k: opened.append(path)
                         or _open(path, *a, **k))  # fmt: skip
     dm = RAMDataModule(source=ImageFolderSource(root=str(tmp_path / "imgs")), image_size=8, channels=3, batch_size=1,
-                       limit=3, val_size=1)  # fmt: skip
+                       limit=6, val_size=1)  # fmt: skip
     dm.setup("fit")
-    assert len(opened) == 3 and dm.data.images[:, 0, 0, 0].tolist() == [0, 2, 4]  # the first 3 files (class c0)
-    assert dm.data.num_classes == 2 and dm._images(3) == "3 images (data.limit=3 of 12)"
+    kept = dm.data.images[:, 0, 0, 0].tolist()
+    assert len(opened) == 6 and len(set(kept)) == 6 and sorted(dm.data.labels.tolist()) == sorted(v % 2 for v in kept)
+    assert set(dm.data.labels.tolist()) == {0, 1}  # the first 6 files were class c0 only
+    assert dm.data.num_classes == 2 and dm._images(6) == "6 images (data.limit=6 of 12)"
 
 
 def test_image_folder_refuses_an_empty_class_and_skips_hidden_files(tmp_path: Path) -> None:

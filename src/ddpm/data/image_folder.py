@@ -1,5 +1,6 @@
 """A folder of images, one sub-folder per class: `data=image_folder`'s reader (a ddpm.data.sources.Source)."""
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -68,7 +69,10 @@ class ImageFolderSource:
         return [path for path, _ in self._files()]
 
     def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
-        files = self._files()[:limit]  # only these are decoded
+        files = self._files()
+        if limit is not None and limit < len(files):  # a seeded sample in folder order, every class in proportion
+            files = [files[i] for i in sorted(random.Random(0).sample(range(len(files)), limit))]  # (not the first
+            # classes only: the files are in class order); only these are decoded
         images, labels = self.decode(files, image_size=image_size, channels=channels)
         num_classes = self.num_classes()
         names = tuple(folder.name for folder in self._classes()) if self.conditional else ()

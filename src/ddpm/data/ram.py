@@ -115,7 +115,7 @@ class RAMDataModule(ScaleOnDevice):
         val_size: int | float = 0.05,  # held-out images: a fraction, or a count
         split_seed: int = 0,  # seed of the train/val split (independent of the run seed)
         hflip: bool = False,  # random horizontal flips (off for digits)
-        limit: int | None = None,  # use only the first `limit` images (smoke runs, tests)
+        limit: int | None = None,  # use only `limit` images, the first (an image folder: a seeded sample) (smoke runs)
         max_ram_fraction: float = 0.5,  # refuse to preload more than this share of the available RAM
         pin_memory: bool | None = None,  # None: pin when CUDA is available
         root: str | None = None,  # the dataset folder (the user-facing `data.root`, read by the source)
