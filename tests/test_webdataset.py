@@ -85,6 +85,38 @@ def test_make_shards_cli_writes_the_source_images(tmp_path: Path, capsys):
     torch.testing.assert_close(labels, expected.labels, rtol=0, atol=0)
 
 
+def test_make_shards_of_a_folder_decodes_one_shard_at_a_time_and_writes_what_loading_it_whole_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make_shards folder:...` loaded the whole folder decoded into RAM, then a shuffled copy (ImageNet at 256 px:
+    hundreds of GB); now each shard's files are decoded as it is written. The shards are byte for byte those of the
+    loaded set written in the same seeded order (write_shards, the way it was)."""
+    from PIL import Image
+
+    root = tmp_path / "imgs"
+    for i in range(23):
+        (root / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (12, 10), (i * 10, 255 - i * 10, i)).save(root / f"c{i % 3}" / f"{i:02d}.png")
+    decoded: list[int] = []
+    folder, decode_files = ImageFolderSource(root=str(root)), ImageFolderSource.decode
+
+    def recorded(self: ImageFolderSource, files: list, **kwargs):
+        decoded.append(len(files))
+        return decode_files(self, files, **kwargs)
+
+    monkeypatch.setattr(ImageFolderSource, "decode", recorded)
+    make_shards([f"folder:{root}", str(tmp_path / "new"), "--samples-per-shard", "5", "--image-size", "8",
+                 "--limit", "17"])  # fmt: skip
+    assert decoded == [5, 5, 5, 2]  # never the whole folder
+    monkeypatch.undo()
+    whole = folder.load(image_size=8, channels=None)
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(0))[:17]
+    old = write_shards(whole.images[order], whole.labels[order], tmp_path / "old", samples_per_shard=5)
+    new = sorted((tmp_path / "new").glob("*.tar"))
+    assert [p.name for p in old] == [p.name for p in new] and all(a.read_bytes() == b.read_bytes() for a, b in
+                                                                  zip(old, new, strict=True))  # fmt: skip
+
+
 @pytest.mark.parametrize("limit", ["0", "-5"])
 def test_make_shards_refuses_a_limit_below_one(tmp_path: Path, limit: str, capsys) -> None:
     """--limit 0 loaded everything, then failed with an IndexError; a negative limit dropped the last samples."""

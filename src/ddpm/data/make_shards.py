@@ -6,7 +6,7 @@
     python -m ddpm.data.make_shards folder:data/faces shards/faces --image-size 64 --channels 3
 
 SOURCE is digits | mnist:ROOT | cifar10:ROOT | folder:ROOT. Samples are shuffled (seeded) before sharding,
-so every shard mixes the classes. The last line printed is the `data.urls=...` value to train with.
+so every shard mixes the classes; a folder is decoded one shard at a time (it need not fit in RAM). The last line printed is the `data.urls=...` value to train with.
 A folder's images convert by the mode rule of ddpm.data.images; a file that is refused (a mode or range with
 no stated conversion, a damaged file, more pixels than --max-pixels) stops the command naming it. They are decoded
 upright (their EXIF orientation applied, as viewers show them) and stored as those pixels in orientation-free PNGs,
@@ -16,6 +16,7 @@ so a shard reads the same in any reader; ddpm.data.shards applies the orientatio
 import argparse
 import io
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -94,22 +95,61 @@ def write_shards(
         raise ValueError(f"expected (N, C, H, W) uint8 images and N labels, got {tuple(images.shape)} {images.dtype}")
     if samples_per_shard < 1:
         raise ValueError(f"--samples-per-shard={samples_per_shard} must be >= 1")
+    starts = range(0, len(images), samples_per_shard)
+    chunks = (
+        (images[start : start + samples_per_shard], labels[start : start + samples_per_shard]) for start in starts
+    )
+    return write_chunks(chunks, out, samples_per_shard=samples_per_shard, prefix=prefix)
+
+
+def write_chunks(
+    chunks: Iterable[tuple[Tensor, Tensor]], out: str | Path, *, samples_per_shard: int, prefix: str = "shard"
+) -> list[Path]:
+    """One shard per (images, labels) chunk of `samples_per_shard` (the last may hold fewer), each written as it
+    comes: a folder is decoded shard by shard (write_folder_shards), never whole."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for shard, start in enumerate(range(0, len(images), samples_per_shard)):
+    for shard, (images, labels) in enumerate(chunks):
         path = out / f"{prefix}-{shard:06d}.tar"
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(start, min(start + samples_per_shard, len(images))):
-                _add(tar, f"{i:08d}.png", png_bytes(images[i]))
-                _add(tar, f"{i:08d}.cls", str(int(labels[i])).encode())
+            for i, (image, label) in enumerate(zip(images, labels, strict=True), start=shard * samples_per_shard):
+                _add(tar, f"{i:08d}.png", png_bytes(image))
+                _add(tar, f"{i:08d}.cls", str(int(label)).encode())
         paths.append(path)
     return paths
+
+
+def write_folder_shards(source: ImageFolderSource, order: Tensor, out: str | Path, *, samples_per_shard: int,
+                        image_size: int, channels: int | None) -> list[Path]:  # fmt: skip
+    """The folder's files in `order`, decoded one shard at a time (ImageNet at 256 px does not fit in RAM): the
+    same shards as writing the loaded set in that order."""
+    listed = source.labelled_files()
+    files = [listed[i] for i in order.tolist()]
+    starts = range(0, len(files), samples_per_shard)
+    chunks = (source.decode(files[start : start + samples_per_shard], image_size=image_size, channels=channels)
+              for start in starts)  # fmt: skip
+    return write_chunks(chunks, out, samples_per_shard=samples_per_shard)
 
 
 def url_pattern(paths: list[Path], prefix: str = "shard") -> str:
     """The brace pattern naming `paths` (written by write_shards), for data.urls."""
     return str(paths[0].parent / f"{prefix}-{{000000..{len(paths) - 1:06d}}}.tar")
+
+
+def write_source(source: Source, args: argparse.Namespace) -> tuple[list[Path], Tensor, int | None]:
+    """(shards, the order written, classes): a folder decoded shard by shard, another source loaded whole."""
+    folder = isinstance(source, ImageFolderSource)
+    size = source.count() if folder else None
+    data = None if folder else source.load(image_size=args.image_size, channels=args.channels)
+    order = torch.arange(size if data is None else len(data.images))
+    if not args.no_shuffle:
+        order = torch.randperm(len(order), generator=torch.Generator().manual_seed(args.seed))
+    order, sizes = order[: args.limit], {"samples_per_shard": args.samples_per_shard}
+    if data is not None:
+        return write_shards(data.images[order], data.labels[order], args.out, **sizes), order, data.num_classes
+    paths = write_folder_shards(source, order, args.out, image_size=args.image_size, channels=args.channels, **sizes)
+    return paths, order, source.num_classes()
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -132,15 +172,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     except ValueError as error:
         parser.error(str(error))
     try:
-        data = source.load(image_size=args.image_size, channels=args.channels)
+        paths, order, classes = write_source(source, args)
     except (ValueError, FileNotFoundError) as error:  # names the file (or data.root) and what to change
         parser.exit(1, f"{parser.prog}: error: {error}\n")
-    order = torch.arange(len(data.images))
-    if not args.no_shuffle:
-        order = torch.randperm(len(order), generator=torch.Generator().manual_seed(args.seed))
-    order = order[: args.limit]
-    paths = write_shards(data.images[order], data.labels[order], args.out, samples_per_shard=args.samples_per_shard)
-    print(f"wrote {len(order)} samples ({data.num_classes} classes) in {len(paths)} shards under {args.out}")
+    print(f"wrote {len(order)} samples ({classes} classes) in {len(paths)} shards under {args.out}")
     print(f"'data.urls=\"{url_pattern(paths)}\"'")  # quoted for Hydra's override grammar
     return paths
 
