@@ -386,3 +386,12 @@ def test_summary_rows_rank_completed_values_then_completed_without_then_failed(t
         (tmp_path / job / "result.json").write_text(json.dumps(record))
     assert [row["job"] for row in collect(tmp_path, "val/loss")] == ["3", "2", "10", "1", "0"]
     assert [row["job"] for row in collect(tmp_path, "val/loss", maximize=True)] == ["2", "10", "3", "1", "0"]
+
+
+def test_only_the_first_process_of_a_job_writes_its_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process of a DDP job (srun's tasks, Lightning's launches of train.py) ends its own Hydra job: rank 1
+    rewrote result.json and summary.csv after rank 0."""
+    monkeypatch.setattr("ddpm.sweep.first_process", lambda: False)
+    done = JobReturn(status=JobStatus.COMPLETED, _return_value=0.25)
+    SweepSummary(objective="val/loss").on_job_end(job_config(tmp_path / "sweep", "0", ["optim.lr=1e-3"]), done)
+    assert not (tmp_path / "sweep").exists()

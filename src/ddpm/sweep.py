@@ -37,6 +37,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddpm.atomic import atomic_write_text
 from ddpm.job_end import RESULT_FILE, keeps_finished_record, write_status
+from ddpm.ranks import first_process
 
 SUMMARY_FILE = "summary.csv"
 MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
@@ -207,6 +208,8 @@ class SweepSummary(Callback):
         atexit.register(self._report_stopped)  # the sweeper raised: Hydra exits before on_multirun_end
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not first_process():  # each process of a DDP job (srun's tasks, Lightning's launches) ends a Hydra job
+            return
         hydra, folder = HydraConfig.get(), Path(HydraConfig.get().runtime.output_dir)
         if not keeps_finished_record(folder, job_return.status.name) or hydra.mode == RunMode.MULTIRUN:
             write_result(folder, list(hydra.overrides.task), job_return, self.objective)

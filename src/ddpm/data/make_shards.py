@@ -6,7 +6,8 @@
     python -m ddpm.data.make_shards folder:data/faces shards/faces --image-size 64 --channels 3
 
 SOURCE is digits | mnist:ROOT | cifar10:ROOT | folder:ROOT. Samples are shuffled (seeded) before sharding,
-so every shard mixes the classes; a folder is decoded one shard at a time (it need not fit in RAM). The last line printed is the `data.urls=...` value to train with.
+so every shard mixes the classes; a folder is decoded one shard at a time (it need not fit in RAM). The last line
+printed is the `data.urls=...` value to train with.
 A folder's images convert by the mode rule of ddpm.data.images; a file that is refused (a mode or range with
 no stated conversion, a damaged file, more pixels than --max-pixels) stops the command naming it. They are decoded
 upright (their EXIF orientation applied, as viewers show them) and stored as those pixels in orientation-free PNGs,
