@@ -284,3 +284,32 @@ def test_shards_are_disjoint_batch_aligned_and_cover_every_index(num_samples: in
     assert all(first % batch_size == 0 for first, count in ranges if count)
     counts = [-(-count // batch_size) for _, count in ranges]
     assert max(counts) - min(counts) <= 1  # balanced to within one batch
+
+
+def _gather_on(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from ddpm.ranks import all_gather_rows
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mine = torch.zeros((0, 4, 8, 8), dtype=torch.uint8) if rank == 0 else torch.arange(48, dtype=torch.uint8)
+    gathered = all_gather_rows(mine.reshape(-1, 1, 4, 4) if rank else mine)
+    torch.save(gathered, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_rank_without_rows_takes_the_others_trailing_shape(tmp_path: Path) -> None:
+    """sample.py under torchrun with fewer batches than ranks: an empty rank's placeholder has the latent shape
+    (4, 8, 8), the others decoded pixels (1, 4, 4); the gather sized each rank's buffer from its own rows (gloo:
+    'Received data size doesn't match', or, with equal element counts, rank 0 writing latents as images)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(_gather_on, args=(port, str(tmp_path)), nprocs=2)
+    expected = torch.arange(48, dtype=torch.uint8).reshape(3, 1, 4, 4)
+    for rank in (0, 1):
+        assert torch.equal(torch.load(tmp_path / f"{rank}.pt"), expected)

@@ -44,17 +44,21 @@ def collective_device() -> torch.device:
 
 
 def all_gather_rows(rows: Tensor) -> Tensor:
-    """Concatenate every rank's (n_r, ...) tensor in rank order, on every rank (CPU result); sizes may differ."""
+    """Concatenate every rank's (n_r, ...) tensor in rank order, on every rank (CPU result); sizes may differ, and a
+    rank without rows takes the others' trailing shape (its empty placeholder may have another: a latent model's)."""
     _, size = world()
     if size == 1:
         return rows.cpu()
     device = collective_device()
-    count = torch.tensor([len(rows)], device=device)
-    counts = [torch.zeros_like(count) for _ in range(size)]
-    dist.all_gather(counts, count)
-    longest = int(max(c.item() for c in counts))
-    padded = torch.zeros((longest, *rows.shape[1:]), dtype=rows.dtype, device=device)
-    padded[: len(rows)] = rows.to(device)
+    shape = torch.tensor(rows.shape, device=device)  # (n_r, ...): every rank's has the same number of dims
+    shapes = [torch.zeros_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape)
+    counts = [int(s[0].item()) for s in shapes]
+    trailing = next((tuple(s[1:].tolist()) for s in shapes if s[0] > 0), tuple(rows.shape[1:]))
+    longest = max(counts)
+    padded = torch.zeros((longest, *trailing), dtype=rows.dtype, device=device)
+    if len(rows):
+        padded[: len(rows)] = rows.to(device)
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded)
-    return torch.cat([g[: int(c.item())].cpu() for g, c in zip(gathered, counts, strict=True)])
+    return torch.cat([g[:count].cpu() for g, count in zip(gathered, counts, strict=True)])
