@@ -18,7 +18,7 @@ def test_saved_tensor_bytes_counts_what_autograd_keeps():
 
 
 def test_estimate_counts_parameters_and_scales_activations_with_the_batch():
-    """Parameters and gradients: 4 bytes each; AdamW: 8; activations at batch 8 = 2x those at batch 4."""
+    """Parameters, gradients and the EMA's average: 4 bytes each; AdamW: 8; activations at batch 8 = 2x batch 4's."""
     torch.manual_seed(0)
     net = tiny_unet()
     count = sum(p.numel() for p in net.parameters())
@@ -29,6 +29,7 @@ def test_estimate_counts_parameters_and_scales_activations_with_the_batch():
     sizes = [estimate(net, loss, batch_size=b, image_shape=(1, 8, 8), num_classes=None, measure_batch=b)
              for b in (4, 8)]  # fmt: skip
     assert sizes[0]["parameters"] == sizes[0]["gradients"] == 4 * count and sizes[0]["optimizer"] == 8 * count
+    assert sizes[0]["ema"] == 4 * count  # the EMA callback's float32 average (the UNet has no buffers)
     assert sizes[0]["activations"] > 0
     ratio = sizes[1]["activations"] / sizes[0]["activations"]
     assert 1.9 < ratio < 2.1, ratio

@@ -57,7 +57,8 @@ def estimate(
     precision: str = "32-true",
     device: str = "cpu",
 ) -> dict[str, int]:
-    """Bytes of parameters, gradients, optimizer state and activations (measured at `measure_batch`, scaled)."""
+    """Bytes of parameters, gradients, optimizer state, the EMA's average and activations (measured at
+    `measure_batch`, scaled)."""
     params = [p for p in net.parameters() if p.requires_grad]
     net = net.to(device).train()
     dtype = AUTOCAST.get(str(precision))
@@ -85,6 +86,7 @@ def estimate(
         "parameters": parameter_bytes,
         "gradients": parameter_bytes,
         "optimizer": 2 * sum(p.numel() * 4 for p in params),  # AdamW exp_avg + exp_avg_sq, float32
+        "ema": sum(t.numel() * 4 for t in [*net.parameters(), *net.buffers()]),  # the EMA callback's float32 copy
         "activations": round(activations),
     }
 
