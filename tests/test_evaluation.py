@@ -94,6 +94,20 @@ def test_sample_py_metrics_on_one_process_and_under_torchrun_agree(
     np.testing.assert_array_equal(single["images"], sharded["images"])
 
 
+def test_sample_py_refuses_its_metric_settings_before_drawing_an_image(evaluated_run: dict[str, Path],
+                                                                        tmp_path: Path) -> None:  # fmt: skip
+    """A mistyped metrics.features (or Inception's weights missing offline, `is` without logits, one image) was found
+    after every image was drawn: N images' sampling lost to a typo."""
+    common = [f"ckpt={evaluated_run['run'] / 'ema.pt'}", "batch_size=4", "sampler.steps=2", "metrics=[fid]"]
+    typo = sample(*common, "num_samples=4", f"metrics.features={tmp_path / 'classifer.pt'}",
+                  f"hydra.run.dir={tmp_path / 'typo'}", check=False)  # fmt: skip
+    one = sample(*common, "num_samples=1", f"metrics.features={evaluated_run['classifier']}",
+                 f"hydra.run.dir={tmp_path / 'one'}", check=False)  # fmt: skip
+    assert typo.returncode != 0 and "classifer.pt" in typo.stderr, typo.stderr[-2000:]
+    assert one.returncode != 0 and "num_samples=1: the metrics need at least 2 images" in one.stderr
+    assert not list(tmp_path.rglob("samples.npz")) and " images in " not in typo.stdout + one.stdout
+
+
 class StubFID(FID):
     """The callback's schedule and logging, its evaluation stubbed: the value is the step it ran at."""
 

@@ -22,7 +22,7 @@ from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycl
 from ddpm.diffusion.samplers.base import decoded
 from ddpm.logs import say
 from ddpm.metrics.evaluate import generate_sharded, shard
-from ddpm.metrics.features import build_extractor
+from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
 from ddpm.ranks import first_process, init_from_env, world
 from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
@@ -80,10 +80,21 @@ def training_source(run_config: dict) -> dict:
     return data["source"]
 
 
-def measure(out: Generated, cfg: DictConfig, run_config: dict, device: torch.device) -> dict[str, float]:
+def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, device: torch.device) -> FeatureExtractor:
+    """The metrics' feature extractor, and their settings checked, before any image is drawn (a mistyped
+    metrics.features, Inception's weights missing offline, `is` without logits were found after all of them)."""
+    training_source(run_config)  # the metrics' reference
+    extractor = build_extractor(str(cfg.metrics.features), device)
+    if "is" in requested_metrics(cfg.metrics) and not extractor.has_logits:
+        raise ValueError(f"metrics=[is] needs class logits; metrics.features={cfg.metrics.features} has none")
+    if num_samples < 2:
+        raise ValueError(f"num_samples={num_samples}: the metrics need at least 2 images")
+    return extractor
+
+
+def measure(out: Generated, cfg: DictConfig, run_config: dict, extractor: FeatureExtractor) -> dict[str, float]:
     """FID/KID/IS of the generated images against the run's training data (statistics cached)."""
     names, options = requested_metrics(cfg.metrics), cfg.metrics
-    extractor = build_extractor(str(options.features), device)
     node = dict(training_source(run_config))
     if options.get("data_root"):
         node["root"] = str(options.data_root)
@@ -136,10 +147,11 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         net = net.to(memory_format=torch.channels_last)
     vae = load_decoder(loaded.config.get("latent"), device, keys.vae)  # a latent model's decoder, else None
     pixels = tuple(loaded.config["latent"]["image_shape"]) if vae else (net.in_channels, net.image_size, net.image_size)
+    extractor = None
     if world()[0] == 0:
         check_room(Path(keys.output_dir), keys.num_samples, pixels)
-        if requested_metrics(cfg.get("metrics")):
-            training_source(loaded.config)  # the metrics' reference: refused before the images, not after
+        if requested_metrics(cfg.get("metrics")):  # refused before the images, not after
+            extractor = metrics_extractor(cfg, loaded.config, keys.num_samples, device)
     guidance = keys.guidance if labels is not None else 0.0
     denoiser = denoiser_for(net, diffusion, guidance=guidance, interval=interval, precision=precision,
                             compile=keys.compile, rows=min(batch_size, keys.num_samples))  # fmt: skip
@@ -165,8 +177,8 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
         f"{', channels_last' if keys.channels_last else ''}{', compiled' if keys.compile else ''}) "
         f"-> {out_dir / 'grid.png'}, {out_dir / 'samples.npz'}"
     )
-    if requested_metrics(cfg.get("metrics")):
-        values = measure(out, cfg, loaded.config, device)
+    if extractor is not None:
+        values = measure(out, cfg, loaded.config, extractor)
         text = json.dumps({**values, "features": str(cfg.metrics.features)}, indent=2)
         atomic_write_text(out_dir / "metrics.json", text)
         say("  ".join(f"{name} {value:.4g}" for name, value in values.items()) + f" -> {out_dir / 'metrics.json'}")
