@@ -378,6 +378,21 @@ def test_data_limit_decodes_only_the_images_it_keeps(tmp_path: Path, monkeypatch
     assert dm.data.num_classes == 2 and dm._images(6) == "6 images (data.limit=6 of 12)"
 
 
+def test_an_encode_with_data_limit_takes_the_images_the_pixel_run_trains_on(tmp_path: Path) -> None:
+    """`python -m ddpm.data.encode data=image_folder data.limit=N` encoded the first N files (the first classes)
+    after data.limit came to keep a seeded sample of every class: its latents were of other images."""
+    from ddpm.data.encode_plan import FolderImages
+
+    for i in range(15):
+        save(tmp_path / "imgs" / f"c{i % 5}" / f"{i:02d}.png", np.full((8, 8, 3), i, dtype=np.uint8))
+    source = ImageFolderSource(root=str(tmp_path / "imgs"))
+    pixels = source.load(image_size=8, channels=3, limit=6)
+    plan = FolderImages.of(source, 8, 3, 6)
+    images, labels = plan.decode(plan.files)
+    assert sorted(images[:, 0, 0, 0].tolist()) == sorted(pixels.images[:, 0, 0, 0].tolist())
+    assert sorted(labels.tolist()) == sorted(pixels.labels.tolist())
+
+
 def test_image_folder_refuses_an_empty_class_and_skips_hidden_files(tmp_path: Path) -> None:
     """An empty class folder was skipped, so every later folder took the label of the one before ('2' read as
     class 1) without a word; hidden files under a class folder (Jupyter's checkpoints, macOS's ._ files) were read

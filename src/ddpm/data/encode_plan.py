@@ -94,7 +94,7 @@ class FolderImages:
 
     @classmethod
     def of(cls, source: Any, image_size: int, channels: int, limit: int | None) -> "FolderImages":
-        files = source.labelled_files()[:limit]  # the images the pixel run with this data.limit trains on
+        files = source.kept_files(limit)  # the images the pixel run with this data.limit trains on
         order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cls.SEED)).tolist()
         decode = functools.partial(source.decode, image_size=image_size, channels=channels)
         return cls([files[i] for i in order], decode, source.num_classes())

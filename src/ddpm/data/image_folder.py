@@ -69,10 +69,7 @@ class ImageFolderSource:
         return [path for path, _ in self._files()]
 
     def load(self, *, image_size: int, channels: int | None, limit: int | None = None) -> ImageSet:
-        files = self._files()
-        if limit is not None and limit < len(files):  # a seeded sample in folder order, every class in proportion
-            files = [files[i] for i in sorted(random.Random(0).sample(range(len(files)), limit))]  # (not the first
-            # classes only: the files are in class order); only these are decoded
+        files = self.kept_files(limit)  # only these are decoded
         images, labels = self.decode(files, image_size=image_size, channels=channels)
         num_classes = self.num_classes()
         names = tuple(folder.name for folder in self._classes()) if self.conditional else ()
@@ -80,6 +77,14 @@ class ImageFolderSource:
 
     def num_classes(self) -> int | None:
         return len(self._classes()) if self.conditional else None  # every class folder holds images
+
+    def kept_files(self, limit: int | None) -> list[tuple[Path, int]]:
+        """The (image, label) pairs `data.limit` keeps: all, or a seeded sample in folder order, every class in
+        proportion (the first files are the first classes': the files are in class order)."""
+        files = self._files()
+        if limit is None or limit >= len(files):
+            return files
+        return [files[i] for i in sorted(random.Random(0).sample(range(len(files)), limit))]
 
     def labelled_files(self) -> list[tuple[Path, int]]:
         """(image, label) in class order (labels all 0 when not conditional)."""
