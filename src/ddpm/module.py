@@ -217,7 +217,7 @@ class DiffusionModule(pl.LightningModule):
         self.val_means.reset()
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.val_means.reduce(self))
+        self.log_dict(self.val_means.reduce(self), sync_dist=True)  # equal on every rank (Lightning warns without)
         self.check_labels_seen()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

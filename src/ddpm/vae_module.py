@@ -120,7 +120,7 @@ class VAEModule(pl.LightningModule):
         return loss[0]
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.val_means.reduce(self))
+        self.log_dict(self.val_means.reduce(self), sync_dist=True)  # equal on every rank (Lightning warns without)
 
     def latent_shape(self, x: Tensor) -> tuple[int, int, int, int]:
         """(B, c, h, w) of the latents of images x (B, C, H, W)."""
