@@ -306,6 +306,22 @@ def test_a_submitit_job_is_saved_and_requeued_on_submitits_signal(monkeypatch: p
         signal.signal(signal.SIGUSR2, previous)
 
 
+def test_slurm_requeue_without_the_preemption_callback_is_refused(monkeypatch: pytest.MonkeyPatch, compose_cfg) -> None:
+    """callbacks.preemption=null under SLURM: with Lightning's requeue off, nothing took the warning signal and it
+    killed the job without a checkpoint."""
+    from ddpm.training import build_callbacks
+
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "ddpm"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    with pytest.raises(ValueError, match=r"needs callbacks.preemption .* or set slurm_requeue=false"):
+        build_callbacks(compose_cfg("train", ["callbacks.preemption=null"]))
+    build_callbacks(compose_cfg("train", ["callbacks.preemption=null", "slurm_requeue=false"]))
+    (preemption,) = [c for c in build_callbacks(compose_cfg("train"))[1] if isinstance(c, Preemption)]
+    assert preemption.requeue_on == signal.SIGUSR1
+
+
 @pytest.mark.slow
 def test_a_slurm_job_warned_before_its_limit_is_saved_requeued_and_resumes_in_place(tmp_path: Path) -> None:
     """SLURM's USR1 (sbatch --signal=USR1@<s>): Lightning's own handler saved an hpc checkpoint inside the signal
@@ -342,6 +358,9 @@ def test_a_slurm_job_warned_before_its_limit_is_saved_requeued_and_resumes_in_pl
                           extra_env={**slurm, "SLURM_RESTART_COUNT": "1"})  # fmt: skip
     assert f"Resuming {run_dir}/checkpoints/last.ckpt at step {step}" in again.stdout + again.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 2
+    other = helpers.train(*helpers.TINY_RUN, "trainer.max_steps=99", f"hydra.run.dir={run_dir}", check=False,
+                          extra_env={**slurm, "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # fmt: skip
+    assert other.returncode != 0 and "already holds" in other.stderr  # another job's requeue: not its run
 
 
 def test_out_of_memory_on_the_first_step_says_what_to_lower(tmp_path: Path) -> None:

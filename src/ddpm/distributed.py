@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -24,6 +25,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from torch import nn
+
+from ddpm.atomic import atomic_write_text
+
+SLURM_JOB_FILE = ".slurm_job"  # the SLURM job that holds a run folder (restarted)
 
 
 class PeersMissing(RuntimeError):
@@ -100,21 +105,39 @@ def requeue_signal(*, requeue: bool = True) -> int | None:
     return warned
 
 
-def requeue_job() -> str:
-    """`scontrol requeue` this job (an array task by its array id); what it said."""
+def slurm_job() -> str | None:
+    """This SLURM job's id (an array task's: <array id>_<task id>), or None outside SLURM."""
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    return f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array else os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_job() -> str:
+    """`scontrol requeue` this job; what it said."""
+    job = slurm_job()
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"scontrol requeue {job} failed ({error}): requeue it by hand"
     said = (done.stderr or done.stdout).strip()
     return f"requeued SLURM job {job}" if done.returncode == 0 else f"scontrol requeue {job} failed: {said}"
 
 
-def restarted() -> bool:
-    """A SLURM job run again by a requeue (SLURM_RESTART_COUNT > 0): the same command, into the same folder."""
-    return os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+def restarted(folder: Path) -> bool:
+    """A SLURM job run again (SLURM_RESTART_COUNT > 0: requeued after its warning signal's checkpoint, a preemption
+    or a node failure) into the folder its earlier run held (its id in `SLURM_JOB_FILE`): the same command, which
+    resumes in place. Another run's folder, reused, is not this job's (the run-folder rule and overwrite stand)."""
+    if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
+        return False
+    try:
+        return (folder / SLURM_JOB_FILE).read_text().strip() == slurm_job()
+    except OSError:
+        return False
+
+
+def mark_slurm_job(folder: Path) -> None:
+    """Write this SLURM job's id into the run folder it holds, for `restarted` after a requeue."""
+    if (job := slurm_job()) is not None:
+        atomic_write_text(folder / SLURM_JOB_FILE, f"{job}\n")
 
 
 def keep_buffers_local(module: nn.Module) -> None:

@@ -205,7 +205,7 @@ def requeued_from(output_dir: Path, ckpt_path: Path | None, checkpoint_dirs: Seq
     whose ckpt_path, if any, is older), the last.ckpt of its checkpoint folders."""
     missing = ckpt_path is not None and not Path(ckpt_path).is_file()  # refused by name later
     saved = [hpc_checkpoint(output_dir)]
-    if restarted():
+    if restarted(output_dir):
         saved += [folder / "last.ckpt" for folder in [*checkpoint_dirs, output_dir / "checkpoints"]]
     found = [path for path in saved if path is not None and path.is_file()]
     if missing or not found:

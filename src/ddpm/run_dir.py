@@ -219,7 +219,10 @@ def claim_run(output_dir: Path, *, ckpt_path: Path | None, overwrite: bool, chec
     """The rule for a `train()` run: its folder, and checkpoint folders outside it (first process only)."""
     if not first_process():
         return
+    from ddpm.distributed import mark_slurm_job
+
     claim(output_dir, ckpt_path=ckpt_path, overwrite=overwrite)
+    mark_slurm_job(output_dir)  # a requeue of this job resumes here
     for folder in checkpoint_dirs:
         if not inside(folder, output_dir):
             claim(folder, ckpt_path=ckpt_path, overwrite=overwrite, patterns=CHECKPOINT_FILES,
@@ -272,7 +275,7 @@ class RunFolderGuard(Callback):
             ckpt = None
         from ddpm.distributed import restarted
 
-        ckpt = folder if restarted() or held(folder, ("hpc_ckpt_*.ckpt",)) else ckpt  # a requeue resumes in place
+        ckpt = folder if restarted(folder) or held(folder, ("hpc_ckpt_*.ckpt",)) else ckpt  # a requeue: in place
         try:
             claim(folder, ckpt_path=ckpt, overwrite=bool(config.get("overwrite")), patterns=patterns, key=key, **moved)
         except RunFolderTaken as refused:

@@ -57,8 +57,13 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
     others = [build(node, **checkpoint_options(node)) for node in nodes]
     others.sort(key=lambda callback: isinstance(callback, Preemption))
-    for preemption in [callback for callback in others if isinstance(callback, Preemption)]:
-        preemption.requeue_on = requeue_signal(requeue=cfg.get("slurm_requeue", True))  # checkpoint, then requeue
+    requeue = requeue_signal(requeue=cfg.get("slurm_requeue", True))
+    preemptions = [callback for callback in others if isinstance(callback, Preemption)]
+    if requeue is not None and not preemptions:
+        raise ValueError("slurm_requeue=true under SLURM needs callbacks.preemption (on SLURM's warning signal it "
+                         "saves last.ckpt and requeues the job): keep it, or set slurm_requeue=false")  # fmt: skip
+    for preemption in preemptions:
+        preemption.requeue_on = requeue  # checkpoint, then requeue
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
