@@ -306,9 +306,11 @@ def test_a_submitit_job_is_saved_and_requeued_on_submitits_signal(monkeypatch: p
         signal.signal(signal.SIGUSR2, previous)
 
 
-def test_slurm_requeue_without_the_preemption_callback_is_refused(monkeypatch: pytest.MonkeyPatch, compose_cfg) -> None:
+def test_slurm_requeue_without_the_preemption_callback_is_refused(
+    monkeypatch: pytest.MonkeyPatch, compose_cfg, tmp_path: Path
+) -> None:
     """callbacks.preemption=null under SLURM: with Lightning's requeue off, nothing took the warning signal and it
-    killed the job without a checkpoint."""
+    killed the job without a checkpoint. Refused by train() before any work (the LR range test too)."""
     from ddpm.training import build_callbacks
 
     for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "ddpm"}.items():
@@ -316,10 +318,25 @@ def test_slurm_requeue_without_the_preemption_callback_is_refused(monkeypatch: p
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     with pytest.raises(ValueError, match=r"needs callbacks.preemption .* or set slurm_requeue=false"):
-        build_callbacks(compose_cfg("train", ["callbacks.preemption=null"]))
-    build_callbacks(compose_cfg("train", ["callbacks.preemption=null", "slurm_requeue=false"]))
+        train(composed(tmp_path / "run", "callbacks.preemption=null", "tune=lr_find"))
+    assert not (tmp_path / "run").exists()  # nothing written: no LR range test
     (preemption,) = [c for c in build_callbacks(compose_cfg("train"))[1] if isinstance(c, Preemption)]
     assert preemption.requeue_on == signal.SIGUSR1
+
+
+def test_a_requeued_sweep_is_its_own_by_its_job_folders_mark(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A requeued `train.py -m` with a fixed hydra.sweep.dir: the job id is in each job folder's .slurm_job, and the
+    sweep folder was refused as another run's; a folder marked by another job is not this one's."""
+    from ddpm.distributed import SLURM_JOB_FILE, restarted
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    (tmp_path / "sweep" / "0").mkdir(parents=True)
+    (tmp_path / "sweep" / "0" / SLURM_JOB_FILE).write_text("4242\n")
+    assert not restarted(tmp_path / "sweep")  # the first run: SLURM_RESTART_COUNT unset
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert restarted(tmp_path / "sweep") and restarted(tmp_path / "sweep" / "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert not restarted(tmp_path / "sweep")
 
 
 @pytest.mark.slow

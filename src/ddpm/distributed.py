@@ -10,6 +10,7 @@ N seconds waiting for clients. 1/2 clients joined.", or a client's connection ti
 MASTER_ADDR, MASTER_PORT, the world size expected and how many ranks joined.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -124,20 +126,35 @@ def requeue_job() -> str:
 
 def restarted(folder: Path) -> bool:
     """A SLURM job run again (SLURM_RESTART_COUNT > 0: requeued after its warning signal's checkpoint, a preemption
-    or a node failure) into the folder its earlier run held (its id in `SLURM_JOB_FILE`): the same command, which
-    resumes in place. Another run's folder, reused, is not this job's (the run-folder rule and overwrite stand)."""
+    or a node failure) into the folder its earlier run held (its id in `SLURM_JOB_FILE`, there or in a job folder of
+    a sweep folder): the same command, which resumes in place. Another run's folder, reused, is not this job's (the
+    run-folder rule and overwrite stand)."""
     if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
         return False
+    return any(_read(mark) == slurm_job() for mark in [folder / SLURM_JOB_FILE, *folder.glob(f"*/{SLURM_JOB_FILE}")])
+
+
+def _read(path: Path) -> str | None:
     try:
-        return (folder / SLURM_JOB_FILE).read_text().strip() == slurm_job()
+        return path.read_text().strip()
     except OSError:
-        return False
+        return None
 
 
 def mark_slurm_job(folder: Path) -> None:
     """Write this SLURM job's id into the run folder it holds, for `restarted` after a requeue."""
     if (job := slurm_job()) is not None:
-        atomic_write_text(folder / SLURM_JOB_FILE, f"{job}\n")
+        with contextlib.suppress(OSError):  # an unwritable folder: the run's first write names it
+            atomic_write_text(folder / SLURM_JOB_FILE, f"{job}\n")
+
+
+def check_requeue(*, requeue: bool, preemption: Any) -> None:
+    """slurm_requeue=true under SLURM needs the preemption callback (`callbacks.preemption`, its config node here):
+    Lightning's requeue is off, and nothing else takes the warning signal (the job died without a checkpoint).
+    Refused before any work (the LR range test too)."""
+    if requeue and preemption is None and slurm_plugins():
+        raise ValueError("slurm_requeue=true under SLURM needs callbacks.preemption (on SLURM's warning signal it "
+                         "saves last.ckpt and requeues the job): keep it, or set slurm_requeue=false")  # fmt: skip
 
 
 def keep_buffers_local(module: nn.Module) -> None:

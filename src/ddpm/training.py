@@ -14,12 +14,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from ddpm import distributed
 from ddpm.callbacks.ema import EMA
 from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
-from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure, requeue_signal, slurm_plugins
+from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
 from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
@@ -57,13 +58,8 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
     others = [build(node, **checkpoint_options(node)) for node in nodes]
     others.sort(key=lambda callback: isinstance(callback, Preemption))
-    requeue = requeue_signal(requeue=cfg.get("slurm_requeue", True))
-    preemptions = [callback for callback in others if isinstance(callback, Preemption)]
-    if requeue is not None and not preemptions:
-        raise ValueError("slurm_requeue=true under SLURM needs callbacks.preemption (on SLURM's warning signal it "
-                         "saves last.ckpt and requeues the job): keep it, or set slurm_requeue=false")  # fmt: skip
-    for preemption in preemptions:
-        preemption.requeue_on = requeue  # checkpoint, then requeue
+    for preemption in [callback for callback in others if isinstance(callback, Preemption)]:
+        preemption.requeue_on = distributed.requeue_signal(requeue=cfg.get("slurm_requeue", True))  # then requeue
     return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
 
 
@@ -171,6 +167,9 @@ def train(cfg: DictConfig) -> float | None:
     keys = TrainKeys.of(resolved)  # the entry point's own keys, typed (ddpm.config.entries)
     check_objective(resolved)  # a metric the run logs, before any step (objective_value checks again after fit)
     check_validation_schedule(resolved.get("trainer") or {})
+    distributed.check_requeue(
+        requeue=keys.slurm_requeue, preemption=(resolved.get("callbacks") or {}).get("preemption")
+    )
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(keys.ckpt_path, resume_dir=keys.resume_dir, output_dir=output_dir)
     ckpt_path = requeued_from(output_dir, ckpt_path, checkpoint_dirs(resolved))  # a requeued SLURM job: in place
@@ -221,7 +220,7 @@ def train(cfg: DictConfig) -> float | None:
             callbacks=[*callbacks, RestoreCollectiveTimeout(), KeepWandbRun()],  # dist_timeout_s after the join
             logger=loggers,
             default_root_dir=str(output_dir),
-            plugins=[AtomicCheckpointIO(), *slurm_plugins()],
+            plugins=[AtomicCheckpointIO(), *distributed.slurm_plugins()],
         )
         timeout = keys.dist_timeout_s
         bound_join(trainer, timeout)
