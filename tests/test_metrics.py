@@ -222,6 +222,34 @@ def test_reference_stats_follow_the_files_under_the_same_root(tmp_path: Path) ->
         assert stats().num == 40
 
 
+def test_an_image_folders_reference_statistics_are_those_of_the_whole_set_decoded_a_chunk_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reference_stats loaded the whole split (ImageNet at 256 px: 240 GiB) before its features; an image folder is
+    now decoded a chunk at a time, with running sums and KID's seeded rows kept as they pass: the same statistics."""
+    from PIL import Image
+
+    from ddpm.data.image_folder import ImageFolderSource
+    from ddpm.metrics import fid
+
+    for i in range(25):
+        (tmp_path / "images" / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        Image.new("L", (8, 8), 7 * i).save(tmp_path / "images" / f"c{i % 3}" / f"{i}.png")
+    source = ImageFolderSource(root=str(tmp_path / "images"))
+    extractor = FeatureExtractor(net=MeanPool(), name="meanpool", kind="classifier")
+    whole = FeatureStats.of(extractor(source.load(image_size=8, channels=1).images)[0], kid_size=10)
+    decoded, decode = [], ImageFolderSource.decode
+    monkeypatch.setattr(ImageFolderSource, "decode", lambda self, files, **k: decoded.append(len(files))
+                        or decode(self, files, **k))  # fmt: skip
+    monkeypatch.setattr(fid, "KID_REFERENCE_SIZE", 10)
+    streamed = fid.streamed_stats(source, image_size=8, channels=1, extractor=extractor, batch_size=4,
+                                  path=tmp_path / "c.pt", chunk=7)  # fmt: skip
+    assert decoded == [7, 7, 7, 4] and streamed.num == whole.num == 25
+    torch.testing.assert_close(streamed.features_sum, whole.features_sum, rtol=1e-12, atol=0)
+    torch.testing.assert_close(streamed.cov_sum, whole.cov_sum, rtol=1e-12, atol=0)
+    assert torch.equal(streamed.kid_features, whole.kid_features)
+
+
 def test_missing_inception_weights_fail_with_the_file_the_folder_and_the_url(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
