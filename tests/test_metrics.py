@@ -116,6 +116,32 @@ def test_kid_matches_an_independent_unbiased_mmd() -> None:
     assert len(set(scores)) == 5  # five different subsets, not one subset five times
 
 
+def test_inception_score_splits_are_equal_where_the_count_is_not_a_multiple_of_them() -> None:
+    """torchmetrics' `chunk` split 91 images into 9 splits of 10 and one of 1 (a score of exactly 1 in the mean and
+    std); split i now holds rows [i N / 10, (i + 1) N / 10) of the same shuffle: torchmetrics' own values where 10
+    divides N, and a float64 numpy computation with those bounds otherwise. Fewer images than splits are refused."""
+    from torchmetrics.image.inception import InceptionScore
+
+    from ddpm.metrics.fid import PassThrough, quiet
+
+    logits = 3 * torch.randn(100, 10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    metric = quiet(InceptionScore, feature=PassThrough(10), splits=10)
+    metric.update(logits)
+    torch.manual_seed(0)  # torchmetrics' shuffle draws from the global generator
+    expected = [float(v) for v in metric.compute()]
+    assert inception_score(logits) == pytest.approx(expected, rel=1e-12)
+    few = logits[:91]
+    order = torch.randperm(91, generator=torch.Generator().manual_seed(0)).numpy()
+    p = np.exp(few.numpy()[order]) / np.exp(few.numpy()[order]).sum(1, keepdims=True)
+    scores = []
+    for i in range(10):
+        part = p[i * 91 // 10 : (i + 1) * 91 // 10]
+        scores.append(np.exp((part * (np.log(part) - np.log(part.mean(0)))).sum(1).mean()))
+    assert inception_score(few) == pytest.approx((np.mean(scores), np.std(scores, ddof=1)), rel=1e-10)
+    with pytest.raises(ValueError, match="9 images cannot make 10 splits"):
+        inception_score(logits[:9])
+
+
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # one split: no spread
 def test_inception_score_of_confident_uniform_predictions_is_the_class_count() -> None:
     """Sharp predictions spread evenly over K classes: IS = exp(log K) = K; one class only: IS = 1."""

@@ -87,8 +87,8 @@ def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, devic
     extractor = build_extractor(str(cfg.metrics.features), device)
     if "is" in requested_metrics(cfg.metrics) and not extractor.has_logits:
         raise ValueError(f"metrics=[is] needs class logits; metrics.features={cfg.metrics.features} has none")
-    if num_samples < 2:
-        raise ValueError(f"num_samples={num_samples}: the metrics need at least 2 images")
+    if num_samples < (10 if "is" in requested_metrics(cfg.metrics) else 2):  # IS: 10 splits
+        raise ValueError(f"num_samples={num_samples}: the metrics need at least 2 images (is: 10)")
     return extractor
 
 
