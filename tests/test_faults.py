@@ -229,27 +229,34 @@ def test_signal_saves_at_the_next_step_boundary_and_exits_143(tmp_path: Path, si
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # handlers are given back
 
 
-@pytest.mark.slow
-def test_sigterm_stops_a_real_train_py_run_with_143_and_a_loadable_last_ckpt(tmp_path: Path) -> None:
-    """`python train.py` (a long tiny run) gets SIGTERM once training is under way: it exits 143 (EXIT_PREEMPTED),
-    leaving checkpoints/last.ckpt, written by the preemption callback at the step it reports, loadable safely."""
-    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+def signal_a_running_run(run_dir: Path, log: Path, signum: int, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """`python train.py` (a long tiny run) sent `signum` once training is under way (its step-3 checkpoint written):
+    its exit status and output."""
     argv = [helpers.PYTHON, "train.py", *helpers.TINY_RUN, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"]
-    started = run_dir / "checkpoints" / "step_0000003.ckpt"  # written after step 3: training is under way
+    started = run_dir / "checkpoints" / "step_0000003.ckpt"
     with log.open("w") as out:
-        process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(), stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(**(env or {})), stdout=out,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
         try:
             deadline = time.monotonic() + 240
             while not started.exists() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert started.exists(), f"training did not start:\n{log.read_text()[-3000:]}"
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
             code = process.wait(timeout=120)
         finally:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    output = log.read_text()
+    return code, log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_real_train_py_run_with_143_and_a_loadable_last_ckpt(tmp_path: Path) -> None:
+    """`python train.py` (a long tiny run) gets SIGTERM once training is under way: it exits 143 (EXIT_PREEMPTED),
+    leaving checkpoints/last.ckpt, written by the preemption callback at the step it reports, loadable safely."""
+    run_dir = tmp_path / "run"
+    code, output = signal_a_running_run(run_dir, tmp_path / "train.log", signal.SIGTERM)
     assert code == EXIT_PREEMPTED == 143, output[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(last, map_location="cpu", weights_only=True)
@@ -352,20 +359,7 @@ def test_a_slurm_job_warned_before_its_limit_is_saved_requeued_and_resumes_in_pl
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "ddpm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
              "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
-    argv = [helpers.PYTHON, "train.py", *helpers.TINY_RUN, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"]
-    with log.open("w") as out:
-        process = subprocess.Popen(argv, cwd=helpers.REPO, env=helpers.env(**slurm), stdout=out, stderr=out)
-        try:
-            deadline = time.monotonic() + 240
-            while not (run_dir / "checkpoints" / "step_0000003.ckpt").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            process.send_signal(signal.SIGUSR1)
-            code = process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    output = log.read_text()
+    code, output = signal_a_running_run(run_dir, log, signal.SIGUSR1, env=slurm)
     assert code == EXIT_PREEMPTED and calls.read_text() == "requeue 4242\n", output[-3000:]
     saved = re.search(r"Received SIGUSR1: saved (\S+) at step (\d+); exiting with 143. requeued SLURM job 4242", output)
     assert saved and Path(saved[1]) == run_dir / "checkpoints" / "last.ckpt", output[-3000:]
