@@ -47,8 +47,13 @@ class FeatureStats:
     @classmethod
     def of(cls, features: Tensor, *, kid_size: int = KID_REFERENCE_SIZE, seed: int = 0) -> "FeatureStats":
         f = features.double()
-        keep = torch.randperm(len(f), generator=torch.Generator().manual_seed(seed))[:kid_size].sort().values
+        keep = kid_rows(len(f), kid_size=kid_size, seed=seed)
         return cls(num=len(f), features_sum=f.sum(0), cov_sum=f.T @ f, kid_features=f[keep].clone())
+
+
+def kid_rows(n: int, *, kid_size: int, seed: int = 0) -> Tensor:
+    """The rows of n reference features KID keeps: a seeded random subset of at most kid_size, in order."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:kid_size].sort().values
 
 
 def count_tag(n: int) -> str:
@@ -254,7 +259,7 @@ def streamed_stats(source: Any, *, image_size: int, channels: int | None, extrac
     kept as they pass): the whole split in RAM was 1.28M x 3 x 256 x 256 bytes (240 GiB) for ImageNet at 256 px."""
     files = source.kept_files(None)
     say(f"reference statistics: {len(files)} images through {extractor.name}, {chunk} at a time -> {path}")
-    keep = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed))[:KID_REFERENCE_SIZE].sort().values
+    keep = kid_rows(len(files), kid_size=KID_REFERENCE_SIZE, seed=seed)
     features_sum, cov_sum, kid = 0.0, 0.0, []
     for start in range(0, len(files), chunk):
         images, _ = source.decode(files[start : start + chunk], image_size=image_size, channels=channels)
