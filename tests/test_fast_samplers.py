@@ -510,6 +510,16 @@ BAD_SETTINGS = [  # (class, arguments, the refusal; {key} is where the Hydra key
     (DDIM, dict(steps=0), "{key}steps=0 must be >= 1"),
     (DDIM, dict(eta=-0.1), "{key}eta=-0.1 must be >= 0"),
     (DDIM, dict(steps_offset=-1), "{key}steps_offset=-1 must be >= 0"),
+    (
+        DDIM,
+        dict(steps=1, spacing="linspace"),
+        "{key}spacing='linspace' with {key}steps=1 evaluates the network only at t=0,",
+    ),
+    (
+        DDIM,
+        dict(steps=1, spacing="leading", steps_offset=1),
+        "{key}spacing='leading' with {key}steps=1 evaluates the network only at t=1,",
+    ),
     (DPM, dict(order=3), "{key}order=3 is unsupported; use 2 (DPM-Solver++ 2M) or 1"),
     (DPM, dict(spacing="quadratic"), "{key}spacing='quadratic' is unknown; use one of ['leading', "),
 ]

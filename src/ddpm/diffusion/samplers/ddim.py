@@ -53,6 +53,11 @@ class DDIMSampler:
             raise ValueError(f"spacing={spacing} is for sampler=dpm_solver / dpm_solver_sde; use trailing here")
         if eta < 0:
             raise ValueError(f"eta={eta} must be >= 0 (0 = deterministic DDIM, 1 = DDPM-like noise)")
+        if steps == 1 and spacing != "trailing":  # linspace's one timestep is 0, leading's steps_offset
+            t = steps_offset if spacing == "leading" else 0
+            raise ValueError(f"spacing={spacing!r} with steps=1 evaluates the network only at t={t}, where x_T is "
+                             "still pure noise: the noise comes back as the sample; use spacing=trailing (its one "
+                             "step is t = T - 1)")  # fmt: skip
         self.steps, self.eta, self.spacing = steps, eta, spacing
         self.steps_offset, self.clip_denoised = steps_offset, clip_denoised
 
