@@ -283,3 +283,31 @@ def test_a_resume_at_another_world_size_says_the_rng_streams_are_not_the_origina
     with pytest.warns(UserWarning, match=rf"RNG states for {saved} rank\(s\), this run has {world}; .*bit-for-bit"):
         callback.on_train_start(SimpleNamespace(global_rank=0, world_size=world), None)  # type: ignore[arg-type]
     assert callback.snapshot is not None  # rank 0's own state restored all the same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("validate_every", [100, 5], ids=["no-validation-at-the-end", "validation-at-the-end"])
+def test_last_ckpt_holds_the_runs_end_and_a_resume_from_it_logs_each_step_at_its_own(
+    tmp_path: Path, validate_every: int
+) -> None:
+    """max_steps=5 with a checkpoint every 3 steps: Lightning's last.ckpt stayed at step 3 (saved only if nothing
+    was), so `ckpt_path=<it>` with a longer max_steps trained steps 4-5 again, while ema.pt held step 5. last.ckpt
+    is the end now (its EMA is ema.pt's). With a validation at the last step, a resume from that checkpoint logged
+    every metric one step late (Lightning counted one more batch on the restart): step 5's LR at 6, nothing at 5."""
+    from ddpm.optim import AdamW
+
+    common = ["data.limit=64", "data.batch_size=16", "callbacks.sample_grid=null", "trainer.log_every_n_steps=1",
+              "optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "logger=csv",
+              "callbacks.checkpoint.every_n_train_steps=3", f"trainer.val_check_interval={validate_every}"]  # fmt: skip
+    helpers.train(*common, "trainer.max_steps=5", f"hydra.run.dir={tmp_path / 'a'}")
+    last, ema = load(tmp_path / "a/checkpoints/last.ckpt"), load(tmp_path / "a/ema.pt")
+    assert last["global_step"] == 5
+    assert all(torch.equal(last["ema_state_dict"][k], v) for k, v in ema["ema_state_dict"].items())
+    helpers.train(*common, "trainer.max_steps=8", f"ckpt_path={tmp_path / 'a/checkpoints/last.ckpt'}",
+                  f"hydra.run.dir={tmp_path / 'b'}")  # fmt: skip
+    with (tmp_path / "b" / "csv" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    lr = {int(r["step"]): float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")}
+    schedule = AdamW(lr=1e-3, warmup_steps=2, decay="cosine")
+    assert lr == pytest.approx({s: 1e-3 * schedule.lr_factor(s, 8) for s in range(5, 8)})
+    assert sorted(int(r["step"]) for r in rows if r.get("train/loss")) == [5, 6, 7]

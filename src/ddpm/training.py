@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddpm import distributed
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.last_checkpoint import LastCheckpoint
 from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
@@ -60,7 +61,7 @@ def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     others.sort(key=lambda callback: isinstance(callback, Preemption))
     for preemption in [callback for callback in others if isinstance(callback, Preemption)]:
         preemption.requeue_on = distributed.requeue_signal(requeue=cfg.get("slurm_requeue", True))  # then requeue
-    return ema, [ema, RNGState(seed=cfg.get("seed")), *others]  # RNGState snapshots before preemption/checkpoint saves
+    return ema, [ema, RNGState(seed=cfg.get("seed")), LastCheckpoint(), *others]  # RNGState: before every save
 
 
 def checkpoint_options(node: Any) -> dict[str, Any]:
