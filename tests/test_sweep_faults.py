@@ -333,7 +333,8 @@ def test_lr_find_json_records_the_warning(tmp_path: Path, monkeypatch: pytest.Mo
     ("trainer", "refused"),
     [
         ({"max_steps": 6, "val_check_interval": 10}, "val_check_interval=6 or lower"),
-        ({"max_steps": 6, "val_check_interval": 10, "accumulate_grad_batches": 2}, None),  # 12 batches: one validation
+        ({"max_steps": 6, "val_check_interval": 10, "accumulate_grad_batches": 2}, None),  # up to 12 batches
+        ({"max_steps": 4, "val_check_interval": 9, "accumulate_grad_batches": 2}, "val_check_interval=4 or lower"),
         ({"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 0}, "limit_val_batches=0"),
         ({"max_steps": -1, "val_check_interval": 10}, None),  # no step limit
         ({"max_steps": 6, "val_check_interval": 0.5}, None),  # a fraction of an epoch: at the epoch's middle

@@ -132,8 +132,8 @@ def never_validates(trainer: dict[str, Any]) -> str | None:
         return "trainer.limit_val_batches=0 turns validation off"
     if type(interval) is int and trainer.get("check_val_every_n_epoch") is None and batches and batches < interval:
         return (f"the first validation comes after trainer.val_check_interval={interval} training batches and the "
-                f"run stops after {batches} (trainer.max_steps x accumulate_grad_batches): set "
-                f"trainer.val_check_interval={batches} or lower, or raise trainer.max_steps")  # fmt: skip
+                f"run stops after {batches} at most (an epoch's last step may take fewer than accumulate_grad_batches):"
+                f" set trainer.val_check_interval={steps} or lower, or raise trainer.max_steps")  # fmt: skip
     return None
 
 
