@@ -24,7 +24,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ddpm.sweep import SUMMARY_FILE, SweepSummary, check_objective, fid_metrics, logged_metrics, never_validates
+from ddpm.objective import check_objective, fid_metrics, logged_metrics, never_validates
+from ddpm.sweep import SUMMARY_FILE, SweepSummary
 
 TINY_SWEEP = [*TINY_RUN, "callbacks.sample_grid=null", "optim.warmup_steps=0", "callbacks.nan_guard.max_consecutive=2"]
 CLASSIFIER_FID = ["+callbacks/fid=classifier", "callbacks.fid.features=c.pt"]  # the file is read at fit start only
@@ -353,7 +354,7 @@ def test_never_validates_follows_lightnings_validation_schedule(trainer: dict, r
 def test_a_fid_objective_follows_the_fid_callbacks_schedule_not_validation(fid_every, val_every, refused) -> None:
     """val/cfid@K is logged by the FID callback every callbacks.fid.every_n_steps steps, whatever validation does
     (before: refused by trainer.val_check_interval, and a FID interval beyond the run was not caught)."""
-    from ddpm.sweep import never_logged
+    from ddpm.objective import never_logged
 
     resolved = {"trainer": {"max_steps": 10, "val_check_interval": val_every}, "model": {"num_classes": None},
                 "callbacks": {"fid": {"_target_": "ddpm.callbacks.fid.FID", "every_n_steps": fid_every,

@@ -51,13 +51,14 @@ SHRUNK = [  # experiment=mnist_vae in seconds: the bundled digits at 8x8, a 2-le
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 steps in bf16-mixed, then resumed in place to step 6 in float32 with the loss compiled (eager backend)."""
+    """4 steps in bf16-mixed, then resumed in place to step 6 in float32 with the loss compiled (eager backend),
+    returning the reconstruction error as its objective."""
     folder = tmp_path_factory.mktemp("vae") / "run"
     train(*SHRUNK, "trainer.max_steps=4", "trainer.precision=bf16-mixed", f"hydra.run.dir={folder}")
     first = json.loads((folder / "vae" / "config.json").read_text())
     (folder / "first_vae_config.json").write_text(json.dumps(first))
     train(*SHRUNK, "trainer.max_steps=6", "trainer.precision=32-true", "compile=true", "module.compile_backend=eager",
-          f"ckpt_path={folder}", f"hydra.run.dir={folder}")  # fmt: skip
+          "objective=val/rec", f"ckpt_path={folder}", f"hydra.run.dir={folder}")  # fmt: skip
     return folder
 
 
@@ -85,6 +86,8 @@ def test_trains_resumes_and_logs_through_the_project_callbacks(run: Path) -> Non
     assert {"train/grad_norm", "train/images_per_sec", "train/skipped_steps"} <= logged  # monitor, NaN guard
     assert sorted(int(r["step"]) for r in rows if r.get("val/loss")) == [1, 3, 5]  # val at steps 2, 4, 6
     assert all(float(r["val/loss"]) > float(r["val/rec"]) for r in rows if r.get("val/loss"))  # + the KL term
+    result = json.loads((run / "result.json").read_text())  # objective=val/rec (was refused: "not a metric")
+    assert result["val/rec"] == pytest.approx(float([r["val/rec"] for r in rows if r.get("val/rec")][-1]), rel=1e-6)
     resumed = (run / "resume_diff.yaml").read_text()
     assert "global_step: 4" in resumed and "trainer.precision" in resumed and "compile" in resumed
     assert {p.name for p in (run / "checkpoints").glob("*.ckpt")} >= {"step_0000004.ckpt", "step_0000006.ckpt"}

@@ -32,6 +32,8 @@ Batch = tuple[Tensor, Tensor]  # images (B, C, H, W) float in [-1, 1], labels (B
 class DiffusionModule(pl.LightningModule):
     """Trains `net` with `diffusion.loss`; validation loss at fixed timesteps and noise (EMA weights)."""
 
+    LOGGED_METRICS = ("val/loss", "train/loss")  # what an objective may name (ddpm.objective)
+
     def __init__(
         self,
         *,

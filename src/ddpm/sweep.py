@@ -1,4 +1,4 @@
-"""Experiment bookkeeping: W&B run names and groups from Hydra, the objective's check, the sweep summary table.
+"""Experiment bookkeeping: W&B run names and groups from Hydra, the sweep summary table.
 
 `SweepSummary` is a Hydra callback (conf/train.yaml, `hydra.callbacks.summary`). Each job writes `result.json` (its
 overrides, status, objective and, for a failed job, the error on one line and its traceback) into its own output
@@ -11,15 +11,10 @@ re-raises the first failed job's error (hydra/_internal/core_plugins/basic_sweep
 FAILED JobReturn, hydra/core/utils.py), before the callbacks' `on_multirun_end`: the sweep exits 1, and this
 callback prints the table when the process exits. An Optuna study (ddpm.optuna_sweeper) records a failed trial
 and goes on: it exits 0 unless `hydra.sweeper.max_failures` is reached or no trial completed.
-
-`check_objective` refuses an `objective` the run will never log, before the first step (train() calls it); in a
-sweep also one logged at validation when no validation will run.
 """
 
 import atexit
 import csv
-import difflib
-import inspect
 import io
 import json
 import math
@@ -32,7 +27,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from hydra.utils import get_class
 from omegaconf import DictConfig, open_dict
 
 from ddpm.atomic import atomic_write_text
@@ -40,8 +34,6 @@ from ddpm.job_end import RESULT_FILE, keeps_finished_record, write_status
 from ddpm.ranks import first_process
 
 SUMMARY_FILE = "summary.csv"
-MODULE_METRICS = ("val/loss", "train/loss")  # what DiffusionModule logs (validation_step, training_step)
-FID_NAMES = {"fid": ("fid",), "kid": ("kid", "kid_std"), "is": ("is", "is_std")}  # ddpm.metrics.fid.compute_metrics
 SHOWN_CHARS = 70  # characters of a cell (an error) in the printed table; summary.csv has all
 
 
@@ -81,97 +73,6 @@ def continue_wandb_run(cfg: DictConfig, run_id: str | None, *, in_place: bool) -
     with open_dict(node):
         automatic = HydraConfig.initialized() and node.get("name") == automatic_name(HydraConfig.get())
         node.id, node.resume, node.name = run_id, "allow", None if automatic else node.get("name")
-
-
-def check_objective(resolved: dict[str, Any]) -> None:
-    """Refuse a top-level `objective` that no part of the run logs, before any data is read or step taken (in a
-    sweep every job would otherwise train in full, then fail); ddpm.training.objective_value checks the value
-    after fit, as the guard of last resort."""
-    objective = resolved.get("objective") or "val/loss"
-    keys = logged_metrics(resolved)
-    if objective in keys:
-        if in_sweep() and (why := never_logged(objective, resolved)):
-            raise ValueError(f"objective={objective!r} {why}")
-        return
-    closest = difflib.get_close_matches(objective, keys, n=1, cutoff=0.0)[0]
-    raise ValueError(
-        f"objective={objective!r} is not a metric this run logs, so it would train to the end and then fail; it "
-        f"logs {keys}: did you mean objective={closest}? (val/fid@K and val/cfid@K need the FID callback, "
-        "+callbacks/fid=inception or +callbacks/fid=classifier; K is callbacks.fid.num_samples as logged: 500, 1k)"
-    )
-
-
-def in_sweep() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def never_logged(objective: str, resolved: dict[str, Any]) -> str | None:
-    """Why no job of a sweep with this config would log `objective` (each would return no value), else None: the
-    FID callback's metrics come every callbacks.<name>.every_n_steps optimizer steps, val/loss at validation."""
-    trainer, conditional = resolved.get("trainer") or {}, (resolved.get("model") or {}).get("num_classes") is not None
-    steps = trainer.get("max_steps", -1)
-    for name, node in (resolved.get("callbacks") or {}).items():
-        if _is_fid(node) and objective in fid_metrics(node, conditional=conditional):
-            every = fid_settings(node)["every_n_steps"]
-            if steps not in (None, -1) and steps < every:
-                return (f"is logged by callbacks.{name} every callbacks.{name}.every_n_steps={every} optimizer steps, "
-                        f"and no job of this sweep would get there (trainer.max_steps={steps}): set "
-                        f"callbacks.{name}.every_n_steps={steps} or lower, or raise trainer.max_steps")  # fmt: skip
-            return None
-    if objective.startswith("val/") and (why := never_validates(trainer)):
-        return f"is logged at validation, and no job of this sweep would validate (each would return no value): {why}"
-    return None
-
-
-def never_validates(trainer: dict[str, Any]) -> str | None:
-    """Why a run with these Lightning Trainer settings would end before its first validation, else None (a
-    fractional val_check_interval or check_val_every_n_epoch: validation at epoch ends, assumed to come)."""
-    interval, steps = trainer.get("val_check_interval", 1.0), trainer.get("max_steps", -1)
-    batches = None if steps in (None, -1) else steps * (trainer.get("accumulate_grad_batches") or 1)
-    if trainer.get("limit_val_batches") == 0:
-        return "trainer.limit_val_batches=0 turns validation off"
-    if type(interval) is int and trainer.get("check_val_every_n_epoch") is None and batches and batches < interval:
-        return (f"the first validation comes after trainer.val_check_interval={interval} training batches and the "
-                f"run stops after {batches} at most (an epoch's last step may take fewer than accumulate_grad_batches):"
-                f" set trainer.val_check_interval={steps} or lower, or raise trainer.max_steps")  # fmt: skip
-    return None
-
-
-def logged_metrics(resolved: dict[str, Any]) -> list[str]:
-    """The metrics an objective may name: DiffusionModule's val/loss and train/loss, and each FID callback's."""
-    conditional = (resolved.get("model") or {}).get("num_classes") is not None
-    nodes = [node for node in (resolved.get("callbacks") or {}).values() if _is_fid(node)]
-    return [*MODULE_METRICS, *(key for node in nodes for key in fid_metrics(node, conditional=conditional))]
-
-
-def fid_metrics(node: dict[str, Any], *, conditional: bool) -> list[str]:
-    """What a `ddpm.callbacks.fid.FID` config logs: `val/<c><metric>@<K>` as compute_metrics names them (c for a
-    classifier's features; K by count_tag: 500, 1k, 10k), and `val/accuracy@K` for a classifier on a
-    conditional model."""
-    from ddpm.metrics.fid import count_tag
-
-    settings = fid_settings(node)
-    tag, classifier = count_tag(int(settings["num_samples"])), settings["features"] != "inception"
-    prefix = "c" if classifier else ""
-    keys = [f"val/{prefix}{name}@{tag}" for metric in settings["metrics"] for name in FID_NAMES.get(metric, ())]
-    return keys + ([f"val/accuracy@{tag}"] if classifier and conditional else [])
-
-
-def fid_settings(node: dict[str, Any]) -> dict[str, Any]:
-    """A `ddpm.callbacks.fid.FID` config node over the callback's defaults."""
-    from ddpm.callbacks.fid import FID
-
-    return {name: p.default for name, p in inspect.signature(FID).parameters.items()} | node
-
-
-def _is_fid(node: Any) -> bool:
-    from ddpm.callbacks.fid import FID
-
-    target = node.get("_target_") if isinstance(node, dict) else None
-    try:
-        return isinstance(target, str) and issubclass(get_class(target), FID)
-    except (ImportError, ValueError, TypeError):
-        return False
 
 
 def error_line(error: BaseException) -> str:

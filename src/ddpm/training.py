@@ -25,6 +25,7 @@ from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_
 from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
+from ddpm.objective import check_objective, objective_value
 from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
 from ddpm.ranks import first_process
 from ddpm.resume import (
@@ -38,7 +39,7 @@ from ddpm.resume import (
 )
 from ddpm.run_dir import claim_run, holding, inside
 from ddpm.sampling.runtime import check_guidance
-from ddpm.sweep import check_objective, continue_wandb_run, name_wandb_run
+from ddpm.sweep import continue_wandb_run, name_wandb_run
 from ddpm.tuning import run_tuning
 from ddpm.weights.init import load_init
 from ddpm.weights.lightning_io import AtomicCheckpointIO
@@ -281,17 +282,3 @@ def check_trained(trainer: pl.Trainer, start_step: int) -> None:
         f"the run took no optimizer step (global step {trainer.global_step}, trainer.max_steps={trainer.max_steps}, "
         f"trainer.max_epochs={trainer.max_epochs}): {cause}. Nothing was exported (no ema.pt, ema.safetensors)"
     )
-
-
-def objective_value(trainer: pl.Trainer, key: str) -> float | None:
-    """The logged metric `key` after fit (the sweep objective); an error naming the logged keys if it is unknown."""
-    value = trainer.callback_metrics.get(key)
-    if value is None:
-        logged = sorted(k for k in trainer.callback_metrics if k.startswith("val/"))
-        if not logged:
-            return None  # no validation ran (e.g. max_steps below val_check_interval)
-        raise ValueError(
-            f"objective={key!r} was never logged; this run logged {logged}. Set objective to one of them "
-            "(val/fid@K needs the FID callback: +callbacks/fid=inception or +callbacks/fid=classifier)"
-        )
-    return float(value)

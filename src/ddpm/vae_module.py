@@ -41,6 +41,15 @@ DIFFUSION_ONLY = ("SampleGrid", "FID")  # callbacks that sample a diffusion mode
 class VAEModule(pl.LightningModule):
     """Trains the autoencoder `net` with `vae_loss`; validation loss on held-out images (EMA weights)."""
 
+    LOGGED_METRICS = (
+        "val/loss",
+        "val/rec",
+        "val/kl",
+        "train/loss",
+        "train/rec",
+        "train/kl",
+    )  # what an objective may name (ddpm.objective)
+
     def __init__(
         self,
         *,
