@@ -20,10 +20,12 @@ from PIL import Image
 from ddpm.callbacks.sample_grid import SampleGrid
 from ddpm.data.ram import RAMDataModule
 from ddpm.data.sources import DigitsSource
+from ddpm.diffusion.gaussian import GaussianDiffusion
 from ddpm.diffusion.samplers.ddpm import DDPMSampler
 from ddpm.models.autoencoder import autoencoder_kl, vae_loss
 from ddpm.models.unet import UNet
 from ddpm.models.vae import VAE
+from ddpm.module import DiffusionModule
 from ddpm.optim import AdamW
 from ddpm.vae_module import VAEModule, training_images
 from ddpm.weights.model import CHECKPOINT_KEY
@@ -179,6 +181,10 @@ def test_refusals_name_the_fix() -> None:
             in_channels=1, image_size=8, base_channels=8, channel_mult=(1,), attention_resolutions=(), norm_groups=4
         )
         VAEModule(net=unet, optim=optim)
+    for parts in [dict(net=autoencoder_kl(**TINY), diffusion=GaussianDiffusion(num_timesteps=100)), dict(net=unet)]:
+        with pytest.raises(ValueError, match=r"model (AutoencoderKL|UNet) and diffusion (GaussianDiffusion|NoneType): "
+                           r"train a VAE with module=vae \(experiment=mnist_vae\)"):  # fmt: skip
+            DiffusionModule(**parts, optim=optim)  # model=vae_mnist alone; experiment=mnist_vae module=diffusion
 
 
 @pytest.mark.slow

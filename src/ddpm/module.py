@@ -38,7 +38,7 @@ class DiffusionModule(pl.LightningModule):
         self,
         *,
         net: UNet,  # the denoising network
-        diffusion: GaussianDiffusion | EDMDiffusion,  # schedule and objective (DDPM family or EDM)
+        diffusion: GaussianDiffusion | EDMDiffusion | None = None,  # schedule and objective (DDPM family or EDM)
         optim: AdamW,  # optimizer and LR schedule settings
         compile: bool | CompileMode | Literal["auto"] = False,  # torch.compile the loss: false, true, auto or a mode
         compile_backend: str = "inductor",  # torch.compile backend (tests use "eager" / "aot_eager")
@@ -48,6 +48,12 @@ class DiffusionModule(pl.LightningModule):
         run_config: dict[str, Any] | None = None,  # resolved run config, stored so sample.py can rebuild
     ) -> None:
         super().__init__()
+        if diffusion is None or all(hasattr(net, name) for name in ("encode", "decode")):  # a VAE config's parts
+            raise ValueError(
+                f"module=diffusion trains a denoising network with a diffusion node; this config has "
+                f"model {type(net).__name__} and diffusion {type(diffusion).__name__}: train a VAE with "
+                "module=vae (experiment=mnist_vae), a diffusion model with model=unet_mnist diffusion=linear"
+            )
         if val_timesteps < 1:
             raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
         self.net, self.diffusion, self.optim = net, diffusion, optim
