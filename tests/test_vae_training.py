@@ -229,3 +229,25 @@ def test_a_vae_run_stopped_while_writing_its_folder_is_told_how_to_write_it(run:
     assert refused.returncode != 0 and "trainer.max_steps=7 trains one step and writes it" in refused.stderr
     train(*SHRUNK, "trainer.max_steps=7", f"ckpt_path={copy}", f"hydra.run.dir={copy}")
     assert json.loads((copy / "vae" / "config.json").read_text())["scaling_factor"] > 0
+
+
+@pytest.mark.slow
+def test_a_vae_run_fine_tunes_from_a_vae_folder_or_a_vae_runs_checkpoint(run: Path, tmp_path: Path) -> None:
+    """init_from in a module=vae run (a pretrained AutoencoderKL folder, or a VAE run's): refused before, with
+    advice about sampling. The weights are the folder's, or the checkpoint's EMA; a model that does not fit them
+    is refused naming its keys."""
+    from ddpm.weights.init import load_init
+    from ddpm.weights.model import CheckpointError
+
+    folder = diffusers.AutoencoderKL.from_pretrained(str(run / "vae"))
+    ema = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    for source, expected in [(run / "vae", folder.state_dict()), (run / "checkpoints" / "last.ckpt", ema)]:
+        net = autoencoder_kl(**TINY)
+        load_init(source, net, {})
+        assert all(torch.equal(net.state_dict()[k], v) for k, v in expected.items()), source
+    wider = autoencoder_kl(**(TINY | {"block_out_channels": [8, 16]}))
+    for source in (run / "vae", run / "checkpoints" / "last.ckpt"):
+        with pytest.raises(CheckpointError, match=r"model.block_out_channels \(file \[8, 8\], run \[8, 16\]\);"):
+            load_init(source, wider, {})
+    train(*SHRUNK, "trainer.max_steps=1", f"init_from={run / 'vae'}", f"hydra.run.dir={tmp_path}")
+    assert "init_from: the weights of" in (tmp_path / "train.log").read_text()
