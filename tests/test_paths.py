@@ -53,11 +53,12 @@ def test_check_guidance_refuses_an_untrained_null_class() -> None:
     assert "diffusion.p_uncond > 0" in str(info.value)
 
 
-def test_check_guidance_refuses_a_negative_weight() -> None:
-    with pytest.raises(
-        ValueError, match=r"^guidance=-1\.0: a guidance weight must be >= 0 .*; set guidance=0 or a positive weight$"
-    ):
-        check_guidance(-1.0, num_classes=10, p_uncond=0.1)
+@pytest.mark.parametrize("guidance", [-1.0, math.nan, math.inf])
+def test_check_guidance_refuses_a_negative_or_non_finite_weight(guidance: float) -> None:
+    """NaN and inf passed (NaN fails every comparison) and the sampler then blamed the weights or bf16."""
+    refusal = r"^guidance=.*: a guidance weight must be finite and >= 0 .*; set guidance=0 or a positive weight$"
+    with pytest.raises(ValueError, match=refusal):
+        check_guidance(guidance, num_classes=10, p_uncond=0.1)
 
 
 def test_train_refuses_a_callback_guidance_the_model_cannot_honour_before_reading_data() -> None:

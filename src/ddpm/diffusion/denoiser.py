@@ -22,6 +22,7 @@ The network runs at the level's index t (its time input), found from sigma (`lev
 the grid's own values, which is what samplers pass.
 """
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,8 +93,8 @@ def guidance_refusal(guidance: float, *, num_classes: int | None, p_uncond: floa
     """Why a model cannot be guided with weight `guidance` (None: it can). Guidance mixes the conditional
     prediction with the null class's (unconditional) one, so it needs a class-conditional model (num_classes)
     whose null class was trained: labels dropped to it with probability p_uncond > 0."""
-    if guidance < 0:
-        return "a guidance weight must be >= 0 (0 = no guidance; 1-5 are usual)"
+    if not guidance >= 0 or guidance == math.inf:  # NaN too: it fails every comparison
+        return "a guidance weight must be finite and >= 0 (0 = no guidance; 1-5 are usual)"
     if guidance == 0:
         return None
     if num_classes is None:

@@ -11,6 +11,7 @@ plain-torch `ddpm.diffusion.generate.generate` with concrete values:
 - `guidance_interval(value)`: a config's [sigma_lo, sigma_hi] as a tuple, or a refusal naming the key.
 """
 
+import math
 import warnings
 from collections.abc import Sequence
 from functools import cache
@@ -46,7 +47,7 @@ def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float 
     refusal = guidance_refusal(guidance, num_classes=num_classes, p_uncond=p_uncond)
     if refusal is None:
         return
-    if guidance < 0:
+    if not 0 <= guidance < math.inf:
         raise ValueError(f"{key}={guidance}: {refusal}; set {key}=0 or a positive weight")
     raise ValueError(
         f"{key}={guidance}: {keyed(refusal, 'diffusion', ['p_uncond'])}; set {key}=0, or train a class-conditional "
