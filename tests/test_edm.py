@@ -142,6 +142,16 @@ def test_bad_values_name_the_key(bad, refusal):
         build(cfg.diffusion)
 
 
+def test_a_grid_whose_one_given_end_passes_the_models_other_is_refused():
+    """sigma_min=200 on a linear-schedule model (largest sigma 157): the grid ran upwards, every level t = T - 1."""
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    sigmas = ((1 - alpha_bar_from_betas(betas)) / alpha_bar_from_betas(betas)).sqrt()
+    with pytest.raises(ValueError, match=r"^sigma_min=200 is not below sigma_max=157\.\d+ \(the model's sigmas"):
+        EDMSampler(sigma_min=200.0).timesteps(sigmas)
+    with pytest.raises(ValueError, match=r"^sigma_min=0\.01\d* is not below sigma_max=0\.005"):
+        EDMSampler(sigma_max=0.005).timesteps(sigmas)
+
+
 def test_the_denoiser_recovers_x0_and_eps_from_the_exact_target():
     """A network that returns F* for known (x0, n) and checks its input is c_in x: the EDM denoiser's VP path gives
     back x0 and eps = n."""

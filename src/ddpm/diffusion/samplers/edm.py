@@ -114,6 +114,11 @@ class EDMSampler:
         sigmas = sigmas.double()
         low = float(sigmas[0]) if self.sigma_min is None else self.sigma_min
         high = float(sigmas[-1]) if self.sigma_max is None else self.sigma_max
+        if low >= high:  # one of them given, beyond the model's other end
+            raise ValueError(
+                f"sigma_min={low:.4g} is not below sigma_max={high:.4g} (the model's sigmas span "
+                f"{float(sigmas[0]):.4g} to {float(sigmas[-1]):.4g}): lower sigma_min or raise sigma_max"
+            )
         return round_sigma(karras_sigmas(low, high, self.steps, self.rho), sigmas)
 
     def network_evaluations(self) -> int:
