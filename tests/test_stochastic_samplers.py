@@ -229,12 +229,14 @@ def test_restart_matches_xu_algorithm(schedule, settings):
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=ATOL[schedule])
 
 
-def test_restart_without_cycles_is_deterministic_heun():
-    """restarts=0 is EDMSampler with churn=0 on the same N: the same images and timesteps."""
-    betas = make_betas("linear", T)
+@pytest.mark.parametrize(("schedule", "sigma_max"), [("linear", None), ("cosine", 80.0)])
+def test_restart_without_cycles_is_deterministic_heun(schedule, sigma_max):
+    """restarts=0 is EDMSampler with churn=0 on the same N and sigma_max (a cosine model's largest sigma is 2e4,
+    where a 9-step grid spends most of its steps: sigma_max=80 there, as EDM): the same images and timesteps."""
+    betas = make_betas(schedule, T)
     net, x_T = toy_net("v", betas), start()
-    heun = run_ours(EDMSampler(steps=9), net, betas, x_T)
-    restart = run_ours(RestartSampler(steps=9, restarts=0), net, betas, x_T)
+    heun = run_ours(EDMSampler(steps=9, sigma_max=sigma_max), net, betas, x_T)
+    restart = run_ours(RestartSampler(steps=9, restarts=0, sigma_max=sigma_max), net, betas, x_T)
     assert heun[0] == restart[0] and heun[2] == restart[2] == 17
     torch.testing.assert_close(restart[1], heun[1], rtol=0, atol=0)
 

@@ -43,6 +43,7 @@ class RestartSampler:
         t_max: float = 0.30,  # sigma each restart jumps up to (rounded to a discrete sigma)
         s_noise: float = 1.0,  # scale of the restart noise
         rho: float = 7.0,  # rho of the Karras grids (main and restart passes)
+        sigma_max: float | None = None,  # largest sigma of the main grid; None: the model's largest (as EDMSampler)
         clip_denoised: bool = True,  # clip the denoised x0 to [-1, 1] before each update
     ) -> None:
         check("steps", steps, steps >= 2, ">= 2 (restarts need a grid sigma between sigma_max and 0)")
@@ -51,9 +52,10 @@ class RestartSampler:
         check("t_min", t_min, 0 < t_min < t_max, f"> 0 and < t_max={t_max}")
         check("s_noise", s_noise, s_noise >= 0, ">= 0")
         check("rho", rho, rho > 0, "> 0")
+        check("sigma_max", sigma_max, sigma_max is None or sigma_max > t_max, f"> t_max={t_max}, or null")
         self.steps, self.restart_steps, self.restarts = steps, restart_steps, restarts
         self.t_min, self.t_max = t_min, t_max
-        self.s_noise, self.rho, self.clip_denoised = s_noise, rho, clip_denoised
+        self.s_noise, self.rho, self.sigma_max, self.clip_denoised = s_noise, rho, sigma_max, clip_denoised
 
     def network_evaluations(self) -> int:
         """Network calls per batch: the main pass (2N - 1) and 2 per Heun step of each restart."""
@@ -66,7 +68,8 @@ class RestartSampler:
         first sigma must lie above that one.
         """
         sigmas = sigmas.double()  # the model's (T,) levels
-        grid = round_sigma(karras_sigmas(float(sigmas[0]), float(sigmas[-1]), self.steps, self.rho), sigmas)
+        high = float(sigmas[-1]) if self.sigma_max is None else self.sigma_max
+        grid = round_sigma(karras_sigmas(float(sigmas[0]), high, self.steps, self.rho), sigmas)
         i = 1 + int((sigmas[grid[1:]] - self.t_min).abs().argmin())  # the grid sigma nearest t_min, after sigma_0
         low = float(sigmas[grid[i]])
         restart = round_sigma(karras_sigmas(low, self.t_max, self.restart_steps + 1, self.rho), sigmas)
