@@ -325,9 +325,24 @@ def test_lr_find_json_records_the_warning(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(tuning, "Tuner", lambda trainer: SimpleNamespace(lr_find=lambda *a, **k: finder))
     cfg = compose("train", [*TINY_RUN, "tune=lr_find", "tune.lr_find.num_steps=30", f"paths.output_dir={tmp_path}"])
     with pytest.warns(tuning.LRRangeWarning):
-        tuning.tune_lr(cfg, tmp_path, {})
+        tuning.tune_lr(cfg, tmp_path, {"module": {"compile": False}})
     record = json.loads((tmp_path / "lr_find.json").read_text())
     assert record["lr_at_min"] == lr_range(30)[-1] and "tune.lr_find.max_lr" in record["warning"]
+
+
+def test_lr_find_compiles_as_the_run_decided(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile=auto is decided once for the run (trainer.accelerator's device); the range test's module resolved
+    it again on the machine's default device (a GPU machine with trainer.accelerator=cpu compiled on the CPU)."""
+    from ddpm import tuning
+
+    seen = []
+    finder = SimpleNamespace(results={"lr": lr_range(30), "loss": falling(30)})
+    monkeypatch.setattr(tuning, "Tuner", lambda trainer: SimpleNamespace(
+        lr_find=lambda module, *a, **k: seen.append(module.compile_mode) or finder))  # fmt: skip
+    cfg = compose("train", [*TINY_RUN, "tune=lr_find", "tune.lr_find.num_steps=30", "compile=true",
+                           f"paths.output_dir={tmp_path}"])  # fmt: skip
+    tuning.tune_lr(cfg, tmp_path, {"module": {"compile": False}})  # as train() resolved `auto` for the device
+    assert seen == [None]  # eager
 
 
 @pytest.mark.parametrize(

@@ -150,7 +150,9 @@ def tune_lr(cfg: DictConfig, output_dir: Path, run_config: dict[str, Any]) -> fl
     datamodule = build(cfg.data)
     net, optim = build(cfg.model), build(cfg.optim)
     parts = {"diffusion": build(cfg.diffusion)} if cfg.get("diffusion") is not None else {}  # none: module=vae
-    module = build(cfg.module, _partial_=True)(net=net, **parts, optim=optim, run_config=run_config)  # latents too
+    module = build(cfg.module, _partial_=True)(
+        net=net, **parts, optim=optim, run_config=run_config, compile=run_config["module"]["compile"]
+    )  # as train() decided it
     trainer: pl.Trainer = build(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")),
