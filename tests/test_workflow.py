@@ -7,11 +7,13 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 from helpers import TINY_RUN, compose, train, wandb_dirs
 from omegaconf import OmegaConf
+from PIL import Image
 
 from ddpm.callbacks.monitor import eta_seconds
 from ddpm.sweep import collect, format_table
@@ -64,6 +66,9 @@ def test_wandb_offline_run_has_config_scalars_and_captioned_grid(tmp_path: Path)
     assert history["samples/grid/captions"][-1] == ["labels: " + " ".join(str(i % 10) for i in range(4))]
     (image,) = history["samples/grid/filenames"][-1]
     assert (offline / "files" / image).is_file() and image.endswith(".png")
+    logged = np.asarray(Image.open(offline / "files" / image).convert("RGB"))  # wandb cast floats in [0, 1]: black
+    ours = np.asarray(Image.open(sorted((run_dir / "samples").glob("step_*.png"))[-1]).convert("RGB"))
+    np.testing.assert_array_equal(logged, ours)
     # The same monitor keys reach the csv logger.
     with (run_dir / "csv" / "metrics.csv").open() as f:
         columns = set(csv.DictReader(f).fieldnames or [])

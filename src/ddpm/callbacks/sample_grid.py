@@ -132,14 +132,16 @@ class SampleGrid(StepGrid):
         path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
         grid = write_grid(out.images, path, nrow=nrow)  # sample.py's grid writer: grey or RGB as the model
         caption = "labels: " + " ".join(map(str, out.labels.tolist())) if out.labels is not None else "unconditional"
-        log_grid(trainer, grid.expand(3, -1, -1).float() / 255, caption)  # the loggers get RGB floats in [0, 1]
+        log_grid(trainer, grid, caption)
         return path
 
 
 def log_grid(trainer: pl.Trainer, grid: torch.Tensor, caption: str) -> None:
-    """Send a (3, H, W) float grid in [0, 1] to the image-capable loggers."""
+    """Send a (C, H, W) uint8 grid to the image-capable loggers, as RGB: W&B takes values in [0, 255] (wandb.Image
+    casts a tensor to uint8 unscaled: floats in [0, 1] came out black), TensorBoard floats in [0, 1]."""
+    rgb = grid.expand(3, -1, -1)
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
-            logger.log_image(key="samples/grid", images=[grid], caption=[caption], step=trainer.global_step)
+            logger.log_image(key="samples/grid", images=[rgb], caption=[caption], step=trainer.global_step)
         elif isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image("samples/grid", grid, global_step=trainer.global_step)
+            logger.experiment.add_image("samples/grid", rgb.float() / 255, global_step=trainer.global_step)

@@ -53,7 +53,7 @@ class VAEGrid(StepGrid):
         images = torch.cat([originals.cpu(), to_uint8(decoded.cpu())])
         path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
         grid = write_grid(images, path, nrow=len(originals))  # sample.py's grid writer: grey or RGB as the images
-        log_grid(trainer, grid.expand(3, -1, -1).float() / 255, CAPTION)  # the loggers get RGB floats in [0, 1]
+        log_grid(trainer, grid, CAPTION)
         return path
 
 
