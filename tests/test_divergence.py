@@ -104,6 +104,28 @@ def test_a_loss_that_jumps_50x_and_stays_stops_after_the_lag_and_the_patience(pa
     assert type(info.value) is DivergenceError
 
 
+@pytest.mark.parametrize(
+    ("before", "factor"),
+    [([1.0] * 12, 50), ([BASE ** (i / 59) for i in range(60)], 100), ([BASE] * 2000, 11)],
+    ids=["50x-at-step-12", "23x-its-level-after-a-falling-start", "11x-at-step-2000"],
+)
+def test_a_jump_early_in_a_run_or_just_over_the_factor_stops(before: list[float], factor: float) -> None:
+    """Every loss entered the level clipped at the threshold: a level of few losses (early in a run) took those of
+    a jump in faster than the fast average crossed, and an 11x step-up lifted the level past the fast average; none
+    of these stopped within 2,000 steps. A loss above the threshold stays out of the level now."""
+    guard = NaNGuard(divergence_patience=20)
+    with pytest.raises(DivergenceError):
+        drive(guard, [*before, *[factor * before[-1]] * 2000])
+    assert guard.fast_updates <= len(before) + 60
+    assert guard.level == pytest.approx(statistics_level(before), rel=0.5)
+
+
+def statistics_level(losses: list[float]) -> float:
+    """The geometric mean of the last few hundred losses (about where a 500-step level of them sits)."""
+    tail = losses[-500:]
+    return math.exp(sum(map(math.log, tail)) / len(tail))
+
+
 def test_a_noisy_loss_that_jumps_50x_stops_too() -> None:
     guard = NaNGuard(divergence_patience=20)
     with pytest.raises(DivergenceError):
