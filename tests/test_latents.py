@@ -442,3 +442,6 @@ def test_an_image_folder_is_encoded_in_a_shuffled_order_decoding_only_the_shards
     decoded.clear()
     encode([*args, "data.hflip=false"])
     assert decoded == [] and "encoded 0 images" in capsys.readouterr().out
+    next(root.glob("class_0/*.png")).unlink()  # as an unreadable image's refusal advises: 119 files, another order
+    with pytest.raises(ValueError, match=r"holds another encoding \(files: '120 files, sha256 \w+' there, '119 files"):
+        encode([*args, "data.hflip=false"])  # it skipped the old order's shards: images twice, others lost

@@ -2,6 +2,7 @@
 source or streamed WebDataset shards) and the output folder (never another encoding's)."""
 
 import functools
+import hashlib
 import json
 import re
 import warnings
@@ -89,7 +90,7 @@ class FolderImages:
     files: list[tuple[Path, int]]  # (image, label), shuffled
     decode: Callable[[list[tuple[Path, int]]], tuple[Tensor, Tensor]]  # ImageFolderSource.decode at the size
     num_classes: int | None
-    header: ClassVar[dict[str, str]] = {"order": "shuffled (seed 0)"}  # in every shard's header and meta.json
+    header: dict[str, str]  # in every shard's header and meta.json: the order, and which files it is of
     SEED: ClassVar[int] = 0
 
     @classmethod
@@ -97,7 +98,9 @@ class FolderImages:
         files = source.kept_files(limit)  # the images the pixel run with this data.limit trains on
         order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cls.SEED)).tolist()
         decode = functools.partial(source.decode, image_size=image_size, channels=channels)
-        return cls([files[i] for i in order], decode, source.num_classes())
+        shuffled = [files[i] for i in order]
+        return cls(shuffled, decode, source.num_classes(), {"order": f"shuffled (seed {cls.SEED})",
+                                                            "files": listing(shuffled, Path(source.root))})  # fmt: skip
 
     @property
     def count(self) -> int:
@@ -111,6 +114,14 @@ class FolderImages:
     def _load(self, rows: list[tuple[Path, int]]) -> tuple[Tensor, Tensor]:
         images, labels = self.decode(rows)
         return images, labels if self.num_classes is not None else torch.full_like(labels, -1)
+
+
+def listing(files: list[tuple[Path, int]], root: Path) -> str:
+    """The files an image folder's shards are of, in order: their count and a digest of (path under root, label).
+    A folder whose files changed (an unreadable image removed, as its refusal advises) shuffles into another order:
+    shards of the old one, skipped as finished, gave some images twice and lost others."""
+    digest = hashlib.sha256("\n".join(f"{path.relative_to(root)}\t{label}" for path, label in files).encode())
+    return f"{len(files)} files, sha256 {digest.hexdigest()[:16]}"
 
 
 @dataclass
