@@ -2,6 +2,7 @@
 (`data=latents`): a tiny random diffusers AutoencoderKL saved to a folder, scikit-learn's digits at 16x16."""
 
 import io
+import json
 import multiprocessing
 import os
 import shutil
@@ -269,6 +270,35 @@ def test_ram_and_streamed_latents_give_the_same_samples(encoded: Path) -> None:
     workers = LatentDataModule(root=str(encoded), batch_size=4, val_size=0.05, stream=True, num_workers=2)
     workers.setup("fit")  # two worker slots split the shards: still every validation image once
     assert key(*rows(workers.val_dataloader())) == key(*rows(ram.val_dataloader()))
+
+
+def rewrite_shard(path: Path, keep: int, header: dict | None = None) -> None:
+    """`path` with its first `keep` samples only, cut at a member boundary (a half-copied file), and `header`."""
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(path, "w") as tar:
+        for member, data in members[: 1 + 3 * keep]:  # __meta__.json, then mean, logvar, cls per sample
+            data = json.dumps(header).encode() if header is not None and member.name == HEADER else data
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_torn_shard_or_one_of_another_vae_is_refused_streamed_as_preloaded(
+    encoded: Path, tmp_path: Path, stream: bool
+) -> None:
+    """The preload checked every shard's header and count; the stream read a shard cut at a sample's end (13 of 16
+    validation images, no error) and a shard of another VAE without a word."""
+    from ddpm.data.latent_shards import LatentShardError
+
+    for name, keep, change in [("torn", 5, {}), ("other", PER_SHARD, {"vae_identity": "another"})]:
+        folder = shutil.copytree(encoded, tmp_path / f"{name}_{stream}")
+        shard = folder / "latents-000001.tar"
+        rewrite_shard(shard, keep, read_header(shard) | change)
+        dm = LatentDataModule(root=str(folder), batch_size=8, val_size=0.05, stream=stream)
+        with pytest.raises(LatentShardError, match=f"{shard} (holds 5 of its 64 samples|holds another encoding)"):
+            dm.setup("fit")
+            list(dm.train_dataloader())
 
 
 def test_a_resumed_latent_stream_draws_a_fresh_order_from_every_shard(encoded: Path) -> None:

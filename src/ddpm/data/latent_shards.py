@@ -87,20 +87,35 @@ def read_header(path: Path) -> dict[str, Any]:
         raise LatentShardError(f"{path} cannot be read ({type(error).__name__}: {error})") from error
 
 
-def iter_samples(path: str | Path, latent_shape: list[int]) -> Iterator[tuple[int, Tensor, int]]:
-    """(index, moments (2c, h, w) float16 = cat(mean, logvar), label) of each image of a shard, in order; a torn
-    or malformed shard raises LatentShardError naming it."""
+def iter_samples(path: str | Path, header: dict[str, Any]) -> Iterator[tuple[int, Tensor, int]]:
+    """(index, moments (2c, h, w) float16 = cat(mean, logvar), label) of each image of the shard `header` (its
+    expected `__meta__.json`) describes, in order; a shard of another encoding, a torn or malformed one raises
+    LatentShardError naming it (the streamed path's check as the preload's: at the shard's end, the count)."""
+    expected, shape, checked = header["first"], header["latent_shape"], False
     try:
         for key, fields in read_tar(str(path)):
-            if key == "__meta__":
+            if key == "__meta__" and not checked:
+                if different := differing(json.loads(fields.get("json", b"{}")), header):
+                    raise LatentShardError(f"{path} holds another encoding than expected: {different} differ")
+                checked = True
                 continue
+            if not checked:
+                raise LatentShardError(f"{path} does not start with {HEADER}: not a latent shard")
             if not key.isdigit() or {"mean.npy", "logvar.npy", "cls"} - set(fields):
                 raise LatentShardError(f"{path}: sample {key!r} has fields {sorted(fields)}, not mean.npy, "
                                        "logvar.npy and cls")  # fmt: skip
-            mean, logvar = (_array(fields[f"{name}.npy"], path, key, latent_shape) for name in ("mean", "logvar"))
+            if int(key) != expected:
+                raise LatentShardError(f"{path}: sample {int(key)} where {expected} was expected")
+            mean, logvar = (_array(fields[f"{name}.npy"], path, key, shape) for name in ("mean", "logvar"))
             yield int(key), torch.cat([mean, logvar]), int(fields["cls"].decode())
-    except (tarfile.TarError, OSError, EOFError) as error:
+            expected += 1
+    except (tarfile.TarError, OSError, EOFError, ValueError) as error:
+        if isinstance(error, LatentShardError):
+            raise
         raise LatentShardError(f"{path} is torn or damaged ({type(error).__name__}: {error})") from error
+    if expected - header["first"] != header["samples"]:
+        raise LatentShardError(f"{path} holds {expected - header['first']} of its {header['samples']} samples: it is "
+                               "torn; rerun the encode command to rewrite it")  # fmt: skip
 
 
 def _array(data: bytes, path: str | Path, key: str, shape: list[int]) -> Tensor:
@@ -127,16 +142,12 @@ def differing(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 def read_shard(path: Path, header: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """A whole shard checked against `header` (its expected `__meta__.json`): (moments (n, 2c, h, w), labels (n,))."""
-    if different := differing(read_header(path), header):
+    if different := differing(read_header(path), header):  # before reading the rest
         raise LatentShardError(f"{path} holds another encoding than expected: {different} differ")
     rows, labels = [], []
-    for index, moments, label in iter_samples(path, header["latent_shape"]):
-        if index != header["first"] + len(rows):
-            raise LatentShardError(f"{path}: sample {index} where {header['first'] + len(rows)} was expected")
+    for _, moments, label in iter_samples(path, header):
         rows.append(moments)
         labels.append(label)
-    if len(rows) != header["samples"]:
-        raise LatentShardError(f"{path} holds {len(rows)} of its {header['samples']} samples: it is torn")
     shape = (0, 2 * header["latent_shape"][0], *header["latent_shape"][1:])
     return (torch.stack(rows) if rows else torch.empty(shape, dtype=torch.float16)), torch.tensor(labels).long()
 

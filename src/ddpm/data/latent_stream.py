@@ -29,7 +29,7 @@ class LatentStream(SlotStream):
         paths: list[str],
         *,
         keep: Tensor,  # (N,) bool: the images of this split
-        latent_shape: list[int],  # (c, h, w)
+        headers: dict[str, dict],  # each path's expected __meta__.json (ddpm.data.latent_shards.iter_samples)
         batch_size: int,
         batches_per_epoch: int | None,  # per rank; None: one ordered pass (validation)
         shuffle_buffer: int,  # samples held for shuffling (training)
@@ -38,7 +38,7 @@ class LatentStream(SlotStream):
         world_size: int,
     ) -> None:
         super().__init__()
-        self.paths, self.keep, self.latent_shape, self.batch_size = paths, keep, latent_shape, batch_size
+        self.paths, self.keep, self.headers, self.batch_size = paths, keep, headers, batch_size
         self.batches_per_epoch, self.shuffle_buffer, self.seed = batches_per_epoch, shuffle_buffer, seed
         self.rank, self.world_size = rank, world_size
         self.start = 0  # the optimizer step the run started at (a resume's: a fresh order, not the first passes')
@@ -73,7 +73,7 @@ class LatentStream(SlotStream):
     def _pass(self, paths: list[str], offset: int, stride: int) -> Iterator[Batch]:
         """The slot's images of the split in `paths`, in order: every stride-th, from offset (shared shards)."""
         for path in paths:
-            kept = (item for item in iter_samples(path, self.latent_shape) if self._kept(item[0]))
+            kept = (item for item in iter_samples(path, self.headers[path]) if self._kept(item[0]))
             for i, (_, moments, label) in enumerate(kept):
                 if i % stride == offset:
                     yield moments, label

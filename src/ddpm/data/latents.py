@@ -208,27 +208,31 @@ class LatentDataModule(pl.LightningDataModule):
                               "set data.stream=true, lower data.limit or raise data.max_ram_fraction")  # fmt: skip
         moments = torch.empty(self.count, 2 * c, h, w, dtype=torch.float16)
         labels = torch.empty(self.count, dtype=torch.int64)
-        header = {k: v for k, v in self.meta.items() if k not in ("count", "shards")}
-        first = 0
-        for name in self.meta["shards"]:
-            if first >= self.count:
+        for path, header in self.shard_headers().items():
+            if (first := header["first"]) >= self.count:
                 break
-            samples = min(self.meta["samples_per_shard"], self.meta["count"] - first)
-            rows, shard_labels = read_shard(Path(self.root) / name, header | {"first": first, "samples": samples})
-            n = min(samples, self.count - first)
+            rows, shard_labels = read_shard(Path(path), header)
+            n = min(header["samples"], self.count - first)
             moments[first : first + n], labels[first : first + n] = rows[:n], shard_labels[:n]
-            first += samples
         return moments, labels
 
+    def shard_headers(self) -> dict[str, dict[str, Any]]:
+        """Each shard's path and the `__meta__.json` it must hold (meta.json's, with its first image and count)."""
+        header = {k: v for k, v in self.meta.items() if k not in ("count", "shards")}
+        size, count = self.meta["samples_per_shard"], self.meta["count"]
+        return {str(Path(self.root) / name): header | {"first": i * size, "samples": min(size, count - i * size)}
+                for i, name in enumerate(self.meta["shards"])}  # fmt: skip
+
     def _stream(self, train: Tensor, val: Tensor, shape: RunShape) -> None:
-        paths = [str(Path(self.root) / name) for name in self.meta["shards"]]
+        headers = self.shard_headers()
+        paths = list(headers)
         epoch = self.epoch_length or len(train)
         per_rank = epoch // (self.batch_size * shape.world_size)
         self._check_batches(epoch // shape.world_size, f"data.epoch_length={epoch} latents", shape)
         masks = [torch.zeros(self.count, dtype=torch.bool) for _ in range(2)]
         for mask, rows in zip(masks, (train, val), strict=True):
             mask[rows] = True
-        common = dict(latent_shape=self.latent_shape, batch_size=self.batch_size, shuffle_buffer=self.shuffle_buffer,
+        common = dict(headers=headers, batch_size=self.batch_size, shuffle_buffer=self.shuffle_buffer,
                       seed=self.seed, rank=shape.rank, world_size=shape.world_size)  # fmt: skip
         self.train_set = LatentStream(paths, keep=masks[0], batches_per_epoch=per_rank, **common)
         self.val_set = LatentStream(paths, keep=masks[1], batches_per_epoch=None, **common)
