@@ -427,6 +427,19 @@ def test_streamed_pixel_shards_encode_as_their_source(vae: Path, encoded: Path, 
         encode([f"vae={vae}", f"out={tmp_path / 'bad'}", "data=webdataset", urls, "data.image_size=16"])
 
 
+def test_latents_beyond_float16_are_refused_before_a_shard_is_written(tmp_path: Path) -> None:
+    """A VAE whose means pass 65504 (its quant_conv scaled up): the encode stored inf and reported success; the
+    diffusion's loss was NaN from the first step."""
+    folder = save_vae(tmp_path / "loud", seed=0)
+    vae = VAE.load(folder)
+    with torch.no_grad():
+        vae.autoencoder.quant_conv.weight.mul_(1e7)
+    vae.autoencoder.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"posterior means of magnitude up to .* not finite in float16"):
+        encode(encode_args(folder, tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("latents-*.tar"))
+
+
 def test_a_bf16_vae_encodes_and_decodes() -> None:
     """A VAE trained with trainer.precision=bf16-true has bf16 weights (its run's exports encode the scaling
     images with it): encode casts its input as decode does (before: float32 input against bf16 weights)."""

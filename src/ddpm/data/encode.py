@@ -148,6 +148,11 @@ def encode_images(vae: VAE, images: torch.Tensor, batch_size: int) -> tuple[torc
         mean, logvar = vae.encode(images[start : start + batch_size])
         means.append(mean.half().cpu())
         logvars.append(logvar.half().cpu())
+        if not (torch.isfinite(means[-1]).all() and torch.isfinite(logvars[-1]).all()):  # stored as inf: NaN loss
+            raise ValueError(f"the VAE {vae.folder} gives posterior means of magnitude up to "
+                             f"{mean.abs().max().item():.3g} for images {start}..{start + len(mean) - 1}: not finite "
+                             "in float16 (at most 65504), in which the shards store them; this VAE's latents are "
+                             "unusable as they are (is it the VAE you meant to pass?)")  # fmt: skip
     return torch.cat(means), torch.cat(logvars)
 
 
