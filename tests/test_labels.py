@@ -85,6 +85,11 @@ def test_ram_check_labels_names_negative_and_out_of_range_labels() -> None:
     data.check_labels(None)  # unconditional: labels unused
     data.data = ImageSet(images, torch.tensor([0, 1, 2, 3, 4, 4]), 5)
     data.check_labels(5)
+    data.data = ImageSet(images, torch.zeros(6, dtype=torch.int64), None)  # unlabelled: its labels all 0
+    with pytest.raises(
+        ValueError, match=r"model.num_classes=5 but the 6 images have no classes .*model.num_classes=null"
+    ):
+        data.check_labels(5)  # trained silently: classes 1..4 never trained, then sampled
 
 
 def test_an_image_folder_with_more_class_folders_than_classes_is_refused_naming_them(tmp_path: Path) -> None:

@@ -171,6 +171,10 @@ class RAMDataModule(ScaleOnDevice):
         step also checks each batch, on the device). Nothing to check for an unconditional model."""
         if num_classes is None or self.data is None or len(self.data.labels) == 0:
             return
+        if self.data.num_classes is None:  # its labels are all 0: classes 1.. would never train, yet be sampled
+            raise ValueError(f"model.num_classes={num_classes} but the {self._images(len(self.data.labels))} have no "
+                             "classes (an unconditional source, e.g. data.source.conditional=false); set "
+                             "model.num_classes=null, or give the data its classes")  # fmt: skip
         labels = self.data.labels
         bad = (labels < 0) | (labels >= num_classes)
         if not bad.any():
