@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from ddpm.callbacks.ema import EMA
+from ddpm.callbacks.last_checkpoint import LastCheckpoint
 from ddpm.callbacks.monitor import Monitor, ProgressBar
 from ddpm.callbacks.nan_guard import NaNGuard
 from ddpm.callbacks.preemption import Preemption
@@ -243,7 +244,17 @@ def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     assert isinstance(ema, EMA) and callbacks[0] is ema and ema.decay == cfg.ema.decay
     by_type = {type(c): c for c in callbacks}
     grid = VAEGrid if name == "vae" else SampleGrid  # callbacks=vae: the VAE's grid in place of the sample grid
-    expected = {EMA, RNGState, ModelCheckpoint, grid, LearningRateMonitor, Monitor, ProgressBar, Preemption}
+    expected = {
+        EMA,
+        RNGState,
+        LastCheckpoint,
+        ModelCheckpoint,
+        grid,
+        LearningRateMonitor,
+        Monitor,
+        ProgressBar,
+        Preemption,
+    }
     assert set(by_type) == expected | {NaNGuard}
     assert isinstance(callbacks[1], RNGState)  # right after EMA: its snapshot precedes checkpoint saves
     assert isinstance(callbacks[-1], Preemption)  # its checkpoint holds this step's loss in the NaN guard's state

@@ -18,8 +18,8 @@ import yaml
 from helpers import TINY_RUN, compose, sample, train
 from PIL import Image
 
+from ddpm.run_checks import check_callback_guidance
 from ddpm.sampling.runtime import check_guidance
-from ddpm.training import check_callback_guidance
 from ddpm.weights.model import run_config
 from ddpm.weights.torch_file import load_checkpoint
 

@@ -196,6 +196,36 @@ def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: st
     assert value == expected and type(value) is type(expected)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (["optim.decay=cosine", "trainer.max_steps=-1", "trainer.max_epochs=1"],
+         r"optim.decay=cosine runs the LR down to trainer.max_steps, which is -1 .*optim.decay=none"),
+        (["data.image_size=24"], r"data.image_size=24 but model.image_size=16: .*data.image_size=16 or model.image"),
+        (["data.channels=3"], r"data.channels=3 but model.in_channels=1"),
+        (["trainer.precision=64-true"], r"trainer.precision=64-true: float64 .* 32-true"),
+        (["callbacks.sample_grid.sampler.steps=2000"],
+         r"callbacks.sample_grid.sampler.steps=2000 must be between 1 and the model's T=1000"),
+        (["+sampler@callbacks.sample_grid.sampler=edm", "callbacks.sample_grid.sampler.sigma_min=500"],
+         r"callbacks.sample_grid.sampler.sigma_min=500 is not below callbacks.sample_grid.sampler.sigma_max=157"),
+    ],
+)  # fmt: skip
+def test_keys_that_disagree_are_refused_before_any_data_is_read(overrides: list[str], refusal: str) -> None:
+    """Each failed later: in configure_optimizers, at the first batch, in the sanity check (float64 against float32
+    weights, naming no key), or at the first grid (after that many training steps)."""
+    from ddpm.training import resolve_config
+
+    with pytest.raises(ValueError, match=refusal):
+        resolve_config(composed(*overrides))
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_grid_sampler_the_model_cannot_take_before_a_step(tmp_path: Path) -> None:
+    result = train(*TINY_RUN, "callbacks.sample_grid.sampler.steps=2000", f"hydra.run.dir={tmp_path}", check=False)
+    assert result.returncode == 1 and "callbacks.sample_grid.sampler.steps=2000 must be" in result.stderr
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "csv").exists()
+
+
 def test_a_fractional_val_check_interval_needs_validation_at_epoch_ends() -> None:
     """1.0 stays a fraction (above); under the default check_val_every_n_epoch=null Lightning refuses one without
     naming a fix (before the whole-float fix, 1.0 silently meant every batch)."""

@@ -83,6 +83,9 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
     if name in TRUE_HALF:
         dtype, mixed = ("bfloat16", "bf16-mixed") if name.startswith("bf16") else ("float16", "16-mixed")
         raise ValueError(TRUE_HALF_ERROR.format(precision=name, dtype=dtype, mixed=mixed))
+    if name in ("64", "64-true", "double"):  # the schedule, samplers and EMA are float32: failed in the sanity check
+        raise ValueError(f"trainer.precision={name}: float64 training is not supported; use 32-true, or "
+                         "bf16-mixed / auto for speed")  # fmt: skip
     if name == "auto":
         return "bf16-mixed" if fast_bf16(device) else "32-true"
     present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later

@@ -37,8 +37,8 @@ from ddpm.resume import (
     resolve_ckpt_path,
     world_of,
 )
+from ddpm.run_checks import check_agreement
 from ddpm.run_dir import claim_run, holding, inside
-from ddpm.sampling.runtime import check_guidance
 from ddpm.sweep import continue_wandb_run, name_wandb_run
 from ddpm.tuning import run_tuning
 from ddpm.weights.init import load_init
@@ -120,7 +120,7 @@ def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     (trainer.precision: bf16-mixed or 32-true; compile: true or false, for this device), every key checked
     (ddpm.config.validate: types, unknown keys; whole-number floats become ints in `cfg` too)."""
     resolved = validate_config(cfg, entry="train", decided=auto_decisions(cfg))
-    check_callback_guidance(resolved)
+    check_agreement(resolved)  # keys that must agree with each other
     return resolved
 
 
@@ -137,16 +137,6 @@ def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
         if isinstance(value, str):
             decided[key] = resolve_compile(value, accelerator)
     return decided
-
-
-def check_callback_guidance(resolved: dict[str, Any]) -> None:
-    """The sample grid's and FID callback's guidance weights, refused before any data is read: the one check of
-    a callback's guidance (ddpm.diffusion.denoiser.Guided refuses what no model could take, without a key)."""
-    model, diffusion = resolved.get("model") or {}, resolved.get("diffusion") or {}
-    for name, node in (resolved.get("callbacks") or {}).items():
-        if isinstance(node, dict) and node.get("guidance"):
-            check_guidance(node["guidance"], num_classes=model.get("num_classes"), p_uncond=diffusion.get("p_uncond"),
-                           key=f"callbacks.{name}.guidance")  # fmt: skip
 
 
 def with_latent(resolved: dict[str, Any]) -> dict[str, Any]:

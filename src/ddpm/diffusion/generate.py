@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ddpm.diffusion.denoiser import Denoised, Denoiser, Guided, Net
+from ddpm.diffusion.denoiser import Denoised, Denoiser, Guided, Levels, Net
 from ddpm.diffusion.network import Precision, prepare_network
 from ddpm.diffusion.samplers.base import Sampler
 
@@ -72,6 +72,34 @@ def denoiser_for(
                                compile_backend=compile_backend)  # fmt: skip
     denoiser = diffusion.denoiser(prepared)
     return Guided(denoiser, guidance=guidance, null_class=null_class, interval=interval) if guided else denoiser
+
+
+class _FirstCall(Exception):
+    """Raised by check_sampler's denoiser at the sampler's first network call."""
+
+
+class _Probe(Levels):
+    """A denoiser on the levels of `diffusion` whose network is never called: its first call ends check_sampler."""
+
+    def __init__(self, diffusion: Family) -> None:
+        self.inner = diffusion.denoiser(lambda x, t, y: x)  # never called: output() raises first
+        super().__init__(self.inner.sigmas)
+
+    def output(self, x: Tensor, sigma: Tensor, y: Tensor | None) -> Tensor:
+        raise _FirstCall
+
+    def denoised(self, x: Tensor, sigma: Tensor, output: Tensor) -> Denoised:
+        return self.inner.denoised(x, sigma, output)
+
+
+def check_sampler(sampler: Sampler, diffusion: Family) -> None:
+    """Run `sampler` on `diffusion`'s levels up to its first network call: its grid is made, and refused where the
+    model cannot take it (steps beyond T, a spacing T repeats), before anything is drawn or trained."""
+    probe = _Probe(diffusion)
+    try:
+        sampler.sample(probe, torch.zeros(1, 1, 1, 1), probe.sigmas, None)
+    except _FirstCall:
+        return
 
 
 def to_uint8(x: Tensor) -> Tensor:

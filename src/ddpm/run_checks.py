@@ -1,0 +1,68 @@
+"""The run config's keys that must agree with each other, checked before any data is read or model built (train()
+calls `check_agreement` from training.resolve_config); each refusal names the keys and the fix. A check of one key
+alone lives with its key (ddpm.config.validate, the constructors); these need two or more:
+
+- a callback's guidance weight against the model's classes and p_uncond (ddpm.sampling.runtime.check_guidance);
+- a callback's sampler against the diffusion's levels (its steps beyond T, a grid end past the model's: refused at
+  the first grid, after that many training steps), by running it up to its first network call;
+- optim.decay against trainer.max_steps (a decay runs to the last step: without one, configure_optimizers failed
+  after the data was loaded);
+- the pixel data's image size and channels against the model's (refused at the first batch, after the preload).
+"""
+
+from typing import Any
+
+from ddpm.config import build
+from ddpm.config.build import keyed_errors
+from ddpm.diffusion.generate import check_sampler
+from ddpm.sampling.runtime import check_guidance
+
+LATENT_DATA = "ddpm.data.latents.LatentDataModule"  # its shapes come from meta.json (ddpm.data.latents checks them)
+
+
+def check_agreement(resolved: dict[str, Any]) -> None:
+    check_callback_guidance(resolved)
+    check_callback_samplers(resolved)
+    check_decay(resolved)
+    check_shapes(resolved)
+
+
+def check_callback_guidance(resolved: dict[str, Any]) -> None:
+    """The sample grid's and FID callback's guidance weights: the one check of a callback's guidance
+    (ddpm.diffusion.denoiser.Guided refuses what no model could take, without a key)."""
+    model, diffusion = resolved.get("model") or {}, resolved.get("diffusion") or {}
+    for name, node in (resolved.get("callbacks") or {}).items():
+        if isinstance(node, dict) and node.get("guidance"):
+            check_guidance(node["guidance"], num_classes=model.get("num_classes"), p_uncond=diffusion.get("p_uncond"),
+                           key=f"callbacks.{name}.guidance")  # fmt: skip
+
+
+def check_callback_samplers(resolved: dict[str, Any]) -> None:
+    """Each callback's sampler made its grid on the run's diffusion, refusals naming callbacks.<name>.sampler.*."""
+    nodes = {name: node["sampler"] for name, node in (resolved.get("callbacks") or {}).items()
+             if isinstance(node, dict) and isinstance(node.get("sampler"), dict)}  # fmt: skip
+    if not nodes or not isinstance(resolved.get("diffusion"), dict):
+        return
+    diffusion = build(resolved["diffusion"])
+    for name, node in nodes.items():
+        key = f"callbacks.{name}.sampler"
+        with keyed_errors(key, node["_target_"]):
+            check_sampler(build(node), diffusion)
+
+
+def check_decay(resolved: dict[str, Any]) -> None:
+    optim, steps = resolved.get("optim") or {}, (resolved.get("trainer") or {}).get("max_steps")
+    if optim.get("decay", "none") != "none" and steps in (None, -1):
+        raise ValueError(f"optim.decay={optim['decay']} runs the LR down to trainer.max_steps, which is {steps} "
+                         "(no step limit); set trainer.max_steps=<the run's steps>, or optim.decay=none")  # fmt: skip
+
+
+def check_shapes(resolved: dict[str, Any]) -> None:
+    data, model = resolved.get("data") or {}, resolved.get("model") or {}
+    if data.get("_target_") == LATENT_DATA:
+        return
+    for ours, theirs in (("image_size", "image_size"), ("channels", "in_channels")):
+        a, b = data.get(ours), model.get(theirs)
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"data.{ours}={a} but model.{theirs}={b}: the model takes the images the data module "
+                             f"makes; set one to the other (data.{ours}={b} or model.{theirs}={a})")  # fmt: skip
