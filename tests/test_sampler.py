@@ -207,7 +207,7 @@ def test_guidance_on_unconditional_model_raises():
 def test_negative_guidance_raises():
     """A negative guidance weight is refused by the guidance wrapper itself."""
     plain = denoiser(noisy_net, make_betas("linear", T))
-    with pytest.raises(ValueError, match=r"guidance=-1\.0: .*must be >= 0"):
+    with pytest.raises(ValueError, match=r"guidance=-1\.0: .*must be finite and >= 0"):
         Guided(plain, guidance=-1.0, null_class=10)
 
 

@@ -7,7 +7,8 @@ alone lives with its key (ddpm.config.validate, the constructors); these need tw
   the first grid, after that many training steps), by running it up to its first network call;
 - optim.decay against trainer.max_steps (a decay runs to the last step: without one, configure_optimizers failed
   after the data was loaded);
-- the pixel data's image size and channels against the model's (refused at the first batch, after the preload).
+- the pixel data's image size and channels against a diffusion model's (refused at the first batch, after the
+  preload).
 """
 
 from typing import Any
@@ -18,6 +19,7 @@ from ddpm.diffusion.generate import check_sampler
 from ddpm.sampling.runtime import check_guidance
 
 LATENT_DATA = "ddpm.data.latents.LatentDataModule"  # its shapes come from meta.json (ddpm.data.latents checks them)
+DIFFUSION_MODULE = "ddpm.module.DiffusionModule"  # module=diffusion: its network takes model.image_size only
 
 
 def check_agreement(resolved: dict[str, Any]) -> None:
@@ -59,8 +61,8 @@ def check_decay(resolved: dict[str, Any]) -> None:
 
 def check_shapes(resolved: dict[str, Any]) -> None:
     data, model = resolved.get("data") or {}, resolved.get("model") or {}
-    if data.get("_target_") == LATENT_DATA:
-        return
+    if data.get("_target_") == LATENT_DATA or (resolved.get("module") or {}).get("_target_") != DIFFUSION_MODULE:
+        return  # a VAE (module=vae) is convolutional: it trains at any size its factor divides
     for ours, theirs in (("image_size", "image_size"), ("channels", "in_channels")):
         a, b = data.get(ours), model.get(theirs)
         if a is not None and b is not None and a != b:
