@@ -2,6 +2,7 @@
 clear stop that names the key or file and the fix, or in a correct run. docs/reliability.md lists them."""
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -216,6 +217,22 @@ def test_keys_that_disagree_are_refused_before_any_data_is_read(overrides: list[
     from ddpm.training import resolve_config
 
     with pytest.raises(ValueError, match=refusal):
+        resolve_config(composed(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [(["data=image_folder"], "data.root"), (["data=webdataset"], "data.urls"), (["data=latents"], "data.root"),
+     (["+callbacks/fid=classifier"], "callbacks.fid.features")],
+)  # fmt: skip
+def test_a_value_left_unset_is_named_with_its_key(overrides: list[str], key: str) -> None:
+    """data=image_folder without data.root: OmegaConf's InterpolationToMissingValueError and a trace of 20 frames (its
+    root reached through an interpolation); data=latents: the string '???' taken for a folder."""
+    from ddpm.training import resolve_config
+
+    with pytest.raises(
+        ConfigValueError, match=rf"^{re.escape(key)} has no value \(\?\?\? in its config file\): set it"
+    ):
         resolve_config(composed(*overrides))
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 from pydantic import ValidationError
 
 from ddpm.config.entries import Node
@@ -55,7 +56,7 @@ def validate_config(
     `decided`: {dotted key: value} set in the result before the check, not in `cfg` (an `auto` decided for
     this device, e.g. {"trainer.precision": "bf16-mixed"})."""
     if isinstance(cfg, DictConfig):
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = _resolved(cfg)
         references = set(_references(OmegaConf.to_container(cfg, resolve=False)))
     else:
         resolved, references = _copy(cfg), set()
@@ -69,6 +70,17 @@ def validate_config(
         if isinstance(cfg, DictConfig):
             OmegaConf.update(cfg, key, value, merge=False)
     return resolved  # type: ignore[return-value]
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """`cfg` resolved; a `???` left unset (data=image_folder's root) refused naming its key, not OmegaConf's trace."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    except (MissingMandatoryValue, InterpolationToMissingValueError) as error:
+        named = re.search(r"Missing mandatory value: ([\w.\[\]]+)", str(error))  # through an interpolation
+        key = named[1] if isinstance(error, InterpolationToMissingValueError) and named else error.full_key
+        raise ConfigValueError(f"{key} has no value (??? in its config file): set it, e.g. {key}=<...>; "
+                               "docs/configuration.md says what it takes") from None  # fmt: skip
 
 
 class _Report:
