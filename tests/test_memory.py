@@ -1,5 +1,6 @@
 """`ddpm.memory`: saved-tensor accounting against a layer whose saved tensors are known, and the CLI."""
 
+import pytest
 import torch
 from helpers import REPO, run, tiny_unet
 from torch import nn
@@ -83,3 +84,16 @@ def test_seed_mnist_preset_layout_and_size():
     assert sorted(set(sizes)) == [(32, 28), (64, 14), (128, 7), (256, 7)]
     for hook in hooks:
         hook.remove()
+
+
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [("data.batch_size=1.5", r"data.batch_size=1.5 is not int"), ("data.batch_size=0", r"data.batch_size=0 must be"),
+     ("+optim.lrr=1", r"optim.lrr: did you mean optim.lr\?")],
+)  # fmt: skip
+def test_the_estimate_checks_its_overrides_as_train_py_does(override: str, refusal: str) -> None:
+    """1.5 was int()ed to a batch of 1 (exit 0), 0 divided by zero, and an unknown key was ignored."""
+    from ddpm.memory import main
+
+    with pytest.raises(ValueError, match=refusal):
+        main([override])

@@ -205,6 +205,8 @@ def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: st
         (["data.image_size=24"], r"data.image_size=24 but model.image_size=16: .*data.image_size=16 or model.image"),
         (["data.channels=3"], r"data.channels=3 but model.in_channels=1"),
         (["trainer.precision=64-true"], r"trainer.precision=64-true: float64 .* 32-true"),
+        (["+tune.apply=true"], r"tune holds \['apply'\] but no LR range test: choose it with tune=lr_find"),
+        (["compile=true", "module.compile_backend=eagr"], r"module.compile_backend='eagr' is not a torch.compile"),
         (["callbacks.sample_grid.sampler.steps=2000"],
          r"callbacks.sample_grid.sampler.steps=2000 must be between 1 and the model's T=1000"),
         (["+sampler@callbacks.sample_grid.sampler=edm", "callbacks.sample_grid.sampler.sigma_min=500"],
@@ -234,6 +236,13 @@ def test_a_value_left_unset_is_named_with_its_key(overrides: list[str], key: str
         ConfigValueError, match=rf"^{re.escape(key)} has no value \(\?\?\? in its config file\): set it"
     ):
         resolve_config(composed(*overrides))
+
+
+def test_sample_py_names_a_device_that_is_not_one() -> None:
+    from ddpm.sampling.runtime import resolve_device
+
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device; use auto, cpu, cuda"):
+        resolve_device("gpu")  # torch's own error listed its 20 device types
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ddpm.config import CONF, build
+from ddpm.config import CONF, build, validate_config
 from ddpm.precision import resolve_precision
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -109,11 +109,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
+    cfg.paths.output_dir = "unused"  # Hydra's run folder: none here
+    validate_config(cfg, entry="train")  # types, ranges and unknown keys as train.py checks them (1.5 was int()ed)
     if cfg.get("diffusion") is None:  # module=vae: no diffusion loss to measure
         raise SystemExit("python -m ddpm.memory estimates a diffusion model's training step; this config has "
                          "diffusion=null (a VAE run, module=vae)")  # fmt: skip
     net, diffusion = build(cfg.model), build(cfg.diffusion).to(args.device)
     batch_size = int(cfg.data.batch_size)
+    if batch_size < 1:
+        raise ValueError(f"data.batch_size={batch_size} must be >= 1")
     precision = resolve_precision(cfg.trainer.precision, "cuda" if args.device.startswith("cuda") else "cpu")
 
     def loss_fn(model: nn.Module, x0: Tensor, y: Tensor | None) -> Tensor:
@@ -144,4 +148,15 @@ def explain_oom(*, batch_size: Any, precision: Any) -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hydra.errors import HydraException
+
+    from ddpm.config.overrides import hint_misspelled_overrides
+
+    with hint_misspelled_overrides("train", [a for a in sys.argv[1:] if not a.startswith("-")]):
+        try:
+            main()
+        except (ValueError, HydraException) as error:  # each names what to change
+            print(f"python -m ddpm.memory: error: {error}", file=sys.stderr)
+            sys.exit(1)

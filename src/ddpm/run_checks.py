@@ -2,6 +2,7 @@
 calls `check_agreement` from training.resolve_config); each refusal names the keys and the fix. A check of one key
 alone lives with its key (ddpm.config.validate, the constructors); these need two or more:
 
+- tune.* keys against the tune group's option (the LR range test's node); module.compile_backend when compiling;
 - a callback's guidance weight against the model's classes and p_uncond (ddpm.sampling.runtime.check_guidance);
 - a callback's sampler against the diffusion's levels (its steps beyond T, a grid end past the model's: refused at
   the first grid, after that many training steps), by running it up to its first network call;
@@ -23,6 +24,8 @@ DIFFUSION_MODULE = "ddpm.module.DiffusionModule"  # module=diffusion: its networ
 
 
 def check_agreement(resolved: dict[str, Any]) -> None:
+    check_tune(resolved)
+    check_compile_backend(resolved)
     check_callback_guidance(resolved)
     check_callback_samplers(resolved)
     check_decay(resolved)
@@ -50,6 +53,25 @@ def check_callback_samplers(resolved: dict[str, Any]) -> None:
         key = f"callbacks.{name}.sampler"
         with keyed_errors(key, node["_target_"]):
             check_sampler(build(node), diffusion)
+
+
+def check_tune(resolved: dict[str, Any]) -> None:
+    """tune.* keys without the group's option (+tune.apply=true alone): crashed in the LR range test's set-up."""
+    tune = resolved.get("tune")
+    if isinstance(tune, dict) and not isinstance(tune.get("lr_find"), dict):
+        raise ValueError(f"tune holds {sorted(tune)} but no LR range test: choose it with tune=lr_find (python "
+                         "train.py tune=lr_find tune.apply=true), then set its keys")  # fmt: skip
+
+
+def check_compile_backend(resolved: dict[str, Any]) -> None:
+    """module.compile_backend when the loss is compiled (a typo failed at the fit's start, naming no key)."""
+    import torch._dynamo
+
+    module = resolved.get("module") or {}
+    backend, known = module.get("compile_backend"), torch._dynamo.list_backends(exclude_tags=())
+    if module.get("compile") not in (None, False) and backend is not None and backend not in known:
+        raise ValueError(f"module.compile_backend={backend!r} is not a torch.compile backend; use inductor (or eager, "
+                         "aot_eager to debug)")  # fmt: skip
 
 
 def check_decay(resolved: dict[str, Any]) -> None:

@@ -38,7 +38,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but CUDA is not available here; use device=cpu or device=auto")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError as error:  # device=gpu: torch lists its 20 device types
+        raise ValueError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:<index>") from error
 
 
 def check_guidance(guidance: float, *, num_classes: int | None, p_uncond: float | None, key: str = "guidance") -> None:
