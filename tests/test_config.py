@@ -257,7 +257,7 @@ def check_callbacks(cfg: DictConfig, name: str, tmp_path: Path) -> None:
     }
     assert set(by_type) == expected | {NaNGuard}
     assert isinstance(callbacks[1], RNGState)  # right after EMA: its snapshot precedes checkpoint saves
-    assert isinstance(callbacks[-1], Preemption)  # its checkpoint holds this step's loss in the NaN guard's state
+    assert isinstance(callbacks[-2], Preemption) and isinstance(callbacks[-1], LastCheckpoint)  # after the others
     assert Path(by_type[ModelCheckpoint].dirpath) == tmp_path / "checkpoints"  # under the run directory
     if name == "vae":
         return

@@ -55,14 +55,15 @@ class NoTrainingStep(RuntimeError):
 
 def build_callbacks(cfg: DictConfig) -> tuple[EMA, list[pl.Callback]]:
     """The EMA callback first (grids and checkpoints then see this step's average), the RNG states, then the others,
-    Preemption last: its checkpoint holds what every other callback did at that step (the NaN guard's loss)."""
+    Preemption and LastCheckpoint last: their checkpoints hold what every other callback did at that step (the NaN
+    guard's loss)."""
     ema = build(cfg.ema)
     nodes = [node for node in (cfg.get("callbacks") or {}).values() if node is not None]
     others = [build(node, **checkpoint_options(node)) for node in nodes]
     others.sort(key=lambda callback: isinstance(callback, Preemption))
     for preemption in [callback for callback in others if isinstance(callback, Preemption)]:
         preemption.requeue_on = distributed.requeue_signal(requeue=cfg.get("slurm_requeue", True))  # then requeue
-    return ema, [ema, RNGState(seed=cfg.get("seed")), LastCheckpoint(), *others]  # RNGState: before every save
+    return ema, [ema, RNGState(seed=cfg.get("seed")), *others, LastCheckpoint()]  # RNGState: before every save
 
 
 def checkpoint_options(node: Any) -> dict[str, Any]:
