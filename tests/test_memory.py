@@ -97,3 +97,11 @@ def test_the_estimate_checks_its_overrides_as_train_py_does(override: str, refus
 
     with pytest.raises(ValueError, match=refusal):
         main([override])
+
+
+def test_the_estimate_needs_no_data_path() -> None:
+    """experiment=imagenet64 (data=image_folder, data.root ???): refused as unset once the overrides were checked;
+    the estimate reads no data."""
+    from ddpm.memory import main
+
+    assert main(["experiment=imagenet64", "data.batch_size=2"])["batch_size"] == 2

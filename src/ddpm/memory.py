@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from ddpm.config import CONF, build, validate_config
@@ -99,6 +100,13 @@ def report(sizes: dict[str, int], *, count: int, batch_size: int) -> str:
     return "\n".join(lines)
 
 
+def missing(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys a config (plain data, unresolved) leaves ??? (mandatory, unset)."""
+    if isinstance(node, dict):
+        return [key for k, v in node.items() for key in missing(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if node == "???" else []
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
 
@@ -110,13 +118,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
     cfg.paths.output_dir = "unused"  # Hydra's run folder: none here
+    for key in missing(OmegaConf.to_container(cfg, resolve=False)):  # data.root of image_folder: no data read here
+        OmegaConf.update(cfg, key, "unused")
     validate_config(cfg, entry="train")  # types, ranges and unknown keys as train.py checks them (1.5 was int()ed)
     if cfg.get("diffusion") is None:  # module=vae: no diffusion loss to measure
         raise SystemExit("python -m ddpm.memory estimates a diffusion model's training step; this config has "
                          "diffusion=null (a VAE run, module=vae)")  # fmt: skip
     net, diffusion = build(cfg.model), build(cfg.diffusion).to(args.device)
     batch_size = int(cfg.data.batch_size)
-    if batch_size < 1:
+    if batch_size < 1:  # validate_config checks types; the data module the range, and it is not built here
         raise ValueError(f"data.batch_size={batch_size} must be >= 1")
     precision = resolve_precision(cfg.trainer.precision, "cuda" if args.device.startswith("cuda") else "cpu")
 
