@@ -488,3 +488,7 @@ def test_an_image_folder_is_encoded_in_a_shuffled_order_decoding_only_the_shards
     next(root.glob("class_0/*.png")).unlink()  # as an unreadable image's refusal advises: 119 files, another order
     with pytest.raises(ValueError, match=r"holds another encoding \(files: '120 files, sha256 \w+' there, '119 files"):
         encode([*args, "data.hflip=false"])  # it skipped the old order's shards: images twice, others lost
+    monkeypatch.setenv("HOME", str(tmp_path))  # a root under ~ (the files come expanded): listed as well
+    assert (
+        encode([*args[:1], f"out={tmp_path / 'home'}", *args[2:3], "data.root='~/folder'", *args[4:]])["count"] == 119
+    )

@@ -98,9 +98,9 @@ class FolderImages:
         files = source.kept_files(limit)  # the images the pixel run with this data.limit trains on
         order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cls.SEED)).tolist()
         decode = functools.partial(source.decode, image_size=image_size, channels=channels)
-        shuffled = [files[i] for i in order]
-        return cls(shuffled, decode, source.num_classes(), {"order": f"shuffled (seed {cls.SEED})",
-                                                            "files": listing(shuffled, Path(source.root))})  # fmt: skip
+        shuffled, root = [files[i] for i in order], Path(source.root).expanduser()  # the files come expanded
+        header = {"order": f"shuffled (seed {cls.SEED})", "files": listing(shuffled, root)}
+        return cls(shuffled, decode, source.num_classes(), header)
 
     @property
     def count(self) -> int:
