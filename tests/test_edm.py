@@ -142,14 +142,18 @@ def test_bad_values_name_the_key(bad, refusal):
         build(cfg.diffusion)
 
 
-def test_a_grid_whose_one_given_end_passes_the_models_other_is_refused():
-    """sigma_min=200 on a linear-schedule model (largest sigma 157): the grid ran upwards, every level t = T - 1."""
+def test_a_grid_outside_the_models_sigmas_is_refused():
+    """sigma_min=200 on a linear-schedule model (largest sigma 157): the grid ran upwards, every level t = T - 1; with
+    sigma_max=300 as well (the first refusal's advice then) every level was still t = T - 1, and below the smallest
+    sigma (0.01) every level t = 0."""
     betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
     sigmas = ((1 - alpha_bar_from_betas(betas)) / alpha_bar_from_betas(betas)).sqrt()
-    with pytest.raises(ValueError, match=r"^sigma_min=200 is not below sigma_max=157\.\d+ \(the model's sigmas"):
-        EDMSampler(sigma_min=200.0).timesteps(sigmas)
-    with pytest.raises(ValueError, match=r"^sigma_min=0\.01\d* is not below sigma_max=0\.005"):
-        EDMSampler(sigma_max=0.005).timesteps(sigmas)
+    refusal = r"^sigma_min={} and sigma_max={} leave no grid inside the model's sigmas \(0\.01\d* to 157\.\d+\)"
+    for low, high, shown in [(200.0, None, ("200", r"157\.\d+")), (200.0, 300.0, ("200", "300")),
+                             (0.005, 0.008, ("0.005", "0.008")), (None, 0.005, (r"0\.01\d*", "0.005"))]:  # fmt: skip
+        with pytest.raises(ValueError, match=refusal.format(*shown)):
+            EDMSampler(sigma_min=low, sigma_max=high).timesteps(sigmas)
+    assert EDMSampler(steps=5, sigma_min=100.0, sigma_max=300.0).timesteps(sigmas)[-1] < 999  # a grid inside
 
 
 def test_the_denoiser_recovers_x0_and_eps_from_the_exact_target():

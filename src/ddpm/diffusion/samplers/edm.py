@@ -114,10 +114,12 @@ class EDMSampler:
         sigmas = sigmas.double()
         low = float(sigmas[0]) if self.sigma_min is None else self.sigma_min
         high = float(sigmas[-1]) if self.sigma_max is None else self.sigma_max
-        if low >= high:  # one of them given, beyond the model's other end
+        bottom, top = float(sigmas[0]), float(sigmas[-1])
+        if low >= high or low >= top or high <= bottom:  # every level would round to one end of the model's
             raise ValueError(
-                f"sigma_min={low:.4g} is not below sigma_max={high:.4g} (the model's sigmas span "
-                f"{float(sigmas[0]):.4g} to {float(sigmas[-1]):.4g}): lower sigma_min or raise sigma_max"
+                f"sigma_min={low:.4g} and sigma_max={high:.4g} leave no grid inside the model's sigmas ({bottom:.4g} "
+                f"to {top:.4g}): set sigma_min below {top:.4g} and sigma_max above {max(low, bottom):.4g} (null: the "
+                "model's own ends)"
             )
         return round_sigma(karras_sigmas(low, high, self.steps, self.rho), sigmas)
 
