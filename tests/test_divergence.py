@@ -117,7 +117,7 @@ def test_a_jump_early_in_a_run_or_just_over_the_factor_stops(before: list[float]
     with pytest.raises(DivergenceError):
         drive(guard, [*before, *[factor * before[-1]] * 2000])
     assert guard.fast_updates <= len(before) + 60
-    assert guard.level == pytest.approx(statistics_level(before), rel=0.5)
+    assert guard.level < 2 * statistics_level(before)  # the jump (at least 11x) stayed out of the level
 
 
 def statistics_level(losses: list[float]) -> float:

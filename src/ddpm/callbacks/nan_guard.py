@@ -29,13 +29,15 @@ debiased as Adam's moments are, so the first steps average what was seen instead
 A step counts as diverging when the fast average is above `divergence_factor` x the level; `divergence_patience`
 diverging steps stop the run. Each step back under the threshold takes one off the count instead of zeroing it:
 a good batch or two cannot reset a diverged run (the smooth fast average seldom even comes back under for one),
-and a loss flickering about the threshold still adds up. A diverging step is kept out of the level, and so is every
-loss above the threshold, so neither a divergence nor the fast average's lag drags the level up after it (entered
-clipped at the threshold, such losses lifted a level of few losses, early in a run, faster than the fast average
-crossed: 50x from step 12 and 20x from step 60 never stopped, nor an 11x step-up at step 2,000). Steps count from
-the 11th loss on. In its first few dozen steps the level is the plain mean of the few
-losses seen, so a loss that creeps up from the very start takes its level along; a loss that jumps is caught (a
-real run at optim.lr=0.7 stops at step 16), and the non-finite path remains. The rule needs a positive loss (every
+and a loss flickering about the threshold still adds up. A diverging step is kept out of the level; a loss above the
+threshold enters it clipped at the threshold (a single spike of a noisy loss), unless the fast average is already
+half-way up to the threshold (the log of sqrt(factor) above the level): then it stays out, so neither a divergence
+nor the fast average's lag drags the level up after it (entered clipped, a jump's losses lifted a level of few
+losses, early in a run, faster than the fast average crossed: 50x from step 12 and 23x the level after a falling
+start never stopped, nor an 11x step-up at step 2,000). Steps count from the 11th loss on. In its first few dozen
+steps the level is the plain mean of the few losses seen, so a loss that creeps up from the very start takes its
+level along; a loss that jumps is caught (a real run at optim.lr=0.7 stops at step 16), and the non-finite path
+remains. The rule needs a positive loss (every
 loss of this package is a weighted mean square); a loss <= 0 is not tracked.
 
 What the defaults let pass (tests/test_divergence.py): a loss that steps up 3x and stays, climbs 10x every 3,000
@@ -203,8 +205,9 @@ class NaNGuard(Callback):
                 raise DivergenceError(self._message(trainer, self._divergence_cause(), step))
             return
         self.above = max(self.above - 1, 0)
-        if log_loss <= threshold:  # a loss above it waits for the fast average's verdict, outside the level
-            self.slow, self.slow_updates = ema_update(self.slow, self.slow_updates, log_loss, SLOW)
+        rising = self.fast > threshold - math.log(self.factor) / 2  # the fast average half-way up to the threshold
+        if log_loss <= threshold or not rising:  # a jump's losses wait outside the level for the fast one's verdict
+            self.slow, self.slow_updates = ema_update(self.slow, self.slow_updates, min(log_loss, threshold), SLOW)
 
     def _nonfinite_cause(self) -> str:
         return (

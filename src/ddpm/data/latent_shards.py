@@ -142,10 +142,8 @@ def differing(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 def read_shard(path: Path, header: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """A whole shard checked against `header` (its expected `__meta__.json`): (moments (n, 2c, h, w), labels (n,))."""
-    if different := differing(read_header(path), header):  # before reading the rest
-        raise LatentShardError(f"{path} holds another encoding than expected: {different} differ")
     rows, labels = [], []
-    for _, moments, label in iter_samples(path, header):
+    for _, moments, label in iter_samples(path, header):  # its header checked first
         rows.append(moments)
         labels.append(label)
     shape = (0, 2 * header["latent_shape"][0], *header["latent_shape"][1:])
