@@ -16,10 +16,10 @@ from typing import Any
 
 from ddpm.config import build
 from ddpm.config.build import keyed_errors
+from ddpm.data.latents import TARGET as LATENT_DATA  # its shapes come from meta.json (checked there)
 from ddpm.diffusion.generate import check_sampler
 from ddpm.sampling.runtime import check_guidance
 
-LATENT_DATA = "ddpm.data.latents.LatentDataModule"  # its shapes come from meta.json (ddpm.data.latents checks them)
 DIFFUSION_MODULE = "ddpm.module.DiffusionModule"  # module=diffusion: its network takes model.image_size only
 
 

@@ -21,6 +21,8 @@ from ddpm.callbacks.preemption import Preemption
 from ddpm.callbacks.rng import RNGState
 from ddpm.config import build, validate_config
 from ddpm.config.entries import TrainKeys
+from ddpm.data.latents import TARGET as LATENT_DATA  # data=latents: a run on a VAE's latents
+from ddpm.data.latents import check_decoder_folder, latent_record
 from ddpm.distributed import RestoreCollectiveTimeout, bound_join, explain_join_failure
 from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
@@ -45,8 +47,6 @@ from ddpm.weights.init import load_init
 from ddpm.weights.lightning_io import AtomicCheckpointIO
 from ddpm.weights.safetensors_file import save_ema_safetensors
 from ddpm.weights.torch_file import export_ema
-
-LATENT_DATA = "ddpm.data.latents.LatentDataModule"  # data=latents: a run on a VAE's latents
 
 
 class NoTrainingStep(RuntimeError):
@@ -145,8 +145,6 @@ def with_latent(resolved: dict[str, Any]) -> dict[str, Any]:
     and the scaling sample.py, the grids and FID decode with), read from the encoded folder's meta.json."""
     if (resolved.get("data") or {}).get("_target_") != LATENT_DATA:
         return resolved
-    from ddpm.data.latents import check_decoder_folder, latent_record
-
     record = latent_record(resolved["data"])
     check_decoder_folder(record, resolved.get("callbacks") or {})
     return resolved | {"latent": record}

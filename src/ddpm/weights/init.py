@@ -35,7 +35,7 @@ def architecture(model_config: Mapping[str, Any]) -> dict[str, Any]:
     """The model keys that shape the weights, with our UNet's defaults filled in (sequences as lists;
     downsample all true is null, emb_dim null is 4 x base_channels, attention resolutions sorted)."""
     arguments = {**UNET_DEFAULTS, **model_config}
-    arguments = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in arguments.items()}
+    arguments = {k: plain(v) for k, v in arguments.items()}
     if arguments.get("downsample") is not None and all(arguments["downsample"]):
         arguments["downsample"] = None
     if arguments.get("emb_dim") is None and isinstance(arguments.get("base_channels"), int):
