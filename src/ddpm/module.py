@@ -23,6 +23,7 @@ from ddpm.distributed import keep_buffers_local
 from ddpm.epoch_mean import EpochMeans
 from ddpm.logs import say
 from ddpm.models.unet import UNet
+from ddpm.models.vae import is_autoencoder
 from ddpm.optim import AdamW
 from ddpm.precision import CompileMode, compile_mode, resolve_compile, uses_cudagraphs
 
@@ -48,11 +49,11 @@ class DiffusionModule(pl.LightningModule):
         run_config: dict[str, Any] | None = None,  # resolved run config, stored so sample.py can rebuild
     ) -> None:
         super().__init__()
-        if diffusion is None or all(hasattr(net, name) for name in ("encode", "decode")):  # a VAE config's parts
+        if diffusion is None or is_autoencoder(net):  # a VAE config's parts
             raise ValueError(
-                f"module=diffusion trains a denoising network with a diffusion node; this config has "
-                f"model {type(net).__name__} and diffusion {type(diffusion).__name__}: train a VAE with "
-                "module=vae (experiment=mnist_vae), a diffusion model with model=unet_mnist diffusion=linear"
+                f"module=diffusion trains a denoising network with a diffusion node; this config has model "
+                f"{type(net).__name__} and diffusion {type(diffusion).__name__}: train a VAE with module=vae "
+                "(experiment=mnist_vae), a diffusion model with model=unet_mnist diffusion=linear"
             )
         if val_timesteps < 1:
             raise ValueError(f"module.val_timesteps={val_timesteps} must be >= 1")
@@ -181,9 +182,8 @@ class DiffusionModule(pl.LightningModule):
     ) -> None:  # fmt: skip
         """trainer.gradient_clip_val, applied here (foreach kernels, no host sync): Lightning's mixed-precision
         plugin refuses to clip for a fused optimizer (ours, see ddpm.optim), although by this hook the gradients
-        are unscaled under 16-mixed too (optimizer_step). The global
-        norm that NaNGuard computed of these same gradients just before (`optimizer.grad_norm`) is reused, not
-        computed again."""
+        are unscaled under 16-mixed too (optimizer_step). The global norm that NaNGuard computed of these same
+        gradients just before (`optimizer.grad_norm`) is reused, not computed again."""
         norm = vars(optimizer).pop("grad_norm", None)  # this step's, set by NaNGuard.on_before_optimizer_step
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not gradient_clip_val or not params:

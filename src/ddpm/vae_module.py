@@ -30,6 +30,7 @@ from ddpm.distributed import keep_buffers_local
 from ddpm.epoch_mean import EpochMeans
 from ddpm.logs import say
 from ddpm.models.autoencoder import Reconstruction, latent_statistics, vae_loss
+from ddpm.models.vae import is_autoencoder
 from ddpm.module import DiffusionModule
 from ddpm.optim import AdamW
 from ddpm.precision import CompileMode, compile_mode, resolve_compile, uses_cudagraphs
@@ -71,7 +72,7 @@ class VAEModule(pl.LightningModule):
                 f"({type(diffusion).__name__}); drop it with diffusion=null (experiment=mnist_vae does), or train a "
                 "diffusion model with module=diffusion"
             )
-        if not all(hasattr(net, name) for name in ("encode", "decode", "config")):
+        if not is_autoencoder(net):
             raise ValueError(
                 f"module=vae trains diffusers' AutoencoderKL, but model builds {type(net).__name__}; use a VAE model "
                 "config (model=vae_mnist), or module=diffusion for a diffusion model"

@@ -22,6 +22,11 @@ from ddpm.models.diffusers_unet import DIFFUSERS_EXTRA
 WEIGHTS = "diffusion_pytorch_model.safetensors"  # diffusers' file name for a model's weights
 
 
+def is_autoencoder(net: nn.Module) -> bool:
+    """Whether `net` is an autoencoder (diffusers' AutoencoderKL or anything with its encode, decode and config)."""
+    return all(hasattr(net, name) for name in ("encode", "decode", "config"))
+
+
 def autoencoder_class() -> type:
     try:
         from diffusers import AutoencoderKL

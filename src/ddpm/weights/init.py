@@ -19,7 +19,7 @@ from torch import nn
 
 from ddpm.models.autoencoder import autoencoder_kl
 from ddpm.models.diffusers_unet import UNET_DEFAULTS
-from ddpm.models.vae import VAE
+from ddpm.models.vae import VAE, is_autoencoder
 from ddpm.weights.diffusers_native import UNET_TARGET, WRAPPER_TARGET, network_state, unet2d_state
 from ddpm.weights.loader import load_model
 from ddpm.weights.model import CHECKPOINT_KEY, CheckpointError, run_config
@@ -48,7 +48,7 @@ def architecture(model_config: Mapping[str, Any]) -> dict[str, Any]:
 def load_init(path: str | os.PathLike, net: nn.Module, model_config: Mapping[str, Any]) -> dict[str, Any]:
     """Copy the (EMA) weights of `path` into `net`, built from the run's `model_config`; returns the file's run
     config. CheckpointError naming every model.* key that differs, or a file that load_model refuses."""
-    if all(hasattr(net, name) for name in ("encode", "decode")):  # module=vae: an AutoencoderKL
+    if is_autoencoder(net):  # module=vae: an AutoencoderKL
         return load_vae_init(Path(path), net)
     loaded = load_model(path)
     source = dict(loaded.config["model"])
