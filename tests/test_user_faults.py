@@ -117,6 +117,16 @@ def test_unknown_keys_are_refused_with_the_closest_known_key(override: str, name
     assert closest in line, line
 
 
+def test_an_unknown_key_near_an_unlisted_argument_is_told_to_add_it_with_plus() -> None:
+    """`+trainer.max_tim=`: trainer.max_time is Trainer's argument, not in the config, so setting it needs `+` (without
+    it Hydra refuses again); a key the config lists (trainer.max_steps) is set without `+`."""
+    with pytest.raises(UnknownKeyError) as info:
+        validate_config(composed("+trainer.max_tim=00:00:01:00", "+trainer.max_step=3"), entry="train")
+    lines = str(info.value).splitlines()
+    assert "trainer.max_tim: did you mean trainer.max_time? (set it with +trainer.max_time=...)" in lines[1]
+    assert "trainer.max_step: did you mean trainer.max_steps? (set it with trainer.max_steps=...)" in lines[2]
+
+
 def test_sample_py_keys_are_checked_the_same_way() -> None:
     with pytest.raises(ConfigValueError, match=r"metrics\.batch_size=0 is not valid"):  # named, not "metrics={...}"
         validate_config(composed("metrics.batch_size=0", name="sample"), entry="sample")

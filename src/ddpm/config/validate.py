@@ -91,6 +91,7 @@ class _Report:
         self.types: list[str] = []
         self.unknown: list[str] = []
         self.known: set[str] = set()
+        self.unlisted: set[str] = set()  # arguments of a node's _target_ that the config leaves out (`+key=` sets)
         self.problems: list[str] = []
         self.ints: dict[str, Any] = {}
 
@@ -119,6 +120,7 @@ class _Report:
         schema = target_schema(str(node["_target_"]), nested)
         self.problems += [f"{path}.{k}: {why}" for k, why in schema.unchecked.items() if k in node]
         self.known |= {f"{path}.{k}" for k in schema.hints if k not in nested}
+        self.unlisted |= {f"{path}.{k}" for k in schema.hints if k not in nested and k not in node}
         if schema.adapter is None:
             return
         values = {k: v for k, v in node.items() if k not in HYDRA_KEYS}
@@ -172,17 +174,17 @@ class _Report:
             raise ConfigValueError("config values of the wrong type or out of range:\n  " + "\n  ".join(self.types))
 
     def _suggestion(self, key: str) -> str:
-        return suggest(key, self.known)
+        return suggest(key, self.known, self.unlisted)
 
 
-def suggest(key: str, known: Iterable[str]) -> str:
+def suggest(key: str, known: Iterable[str], unlisted: Iterable[str] = ()) -> str:
     """The known key closest to `key`: in its own section first (the same name or a similar one, by difflib),
-    then anywhere (lr -> optim.lr); else the section's known keys."""
+    then anywhere (lr -> optim.lr); else the section's known keys. One of `unlisted` is set with `+`."""
     section, _, leaf = key.rpartition(".")
     own = sorted(k for k in known if k.rpartition(".")[0] == section)
     names = _closest(leaf, own) or _closest(leaf, sorted(known), cutoff=1.2)
     if names:
-        return f"did you mean {names[0]}? (set it with {names[0]}=...)"
+        return f"did you mean {names[0]}? (set it with {'+' * (names[0] in unlisted)}{names[0]}=...)"
     listed = ", ".join(k.rpartition(".")[2] for k in own[:20]) if section and own else ""
     return f"{section} has: {listed}" if listed else "no similar key exists"
 
