@@ -425,6 +425,11 @@ def test_streamed_pixel_shards_encode_as_their_source(vae: Path, encoded: Path, 
         tar.addfile(info, io.BytesIO(b"1"))
     with pytest.raises(ValueError, match=rf"shard {paths[1]}, sample '99999999': image 99999999.png is not a readable"):
         encode([f"vae={vae}", f"out={tmp_path / 'bad'}", "data=webdataset", urls, "data.image_size=16"])
+    with tarfile.open(paths[2]) as tar:
+        cut = tar.getmembers()[20].offset  # after 10 samples: such a shard was encoded short, silently
+    paths[2].write_bytes(paths[2].read_bytes()[:cut])
+    with pytest.raises(ValueError, match=rf"shard {paths[2]} cannot be read after sample .*end-of-archive marker"):
+        encode([f"vae={vae}", f"out={tmp_path / 'cut'}", "data=webdataset", urls, "data.image_size=16"])
 
 
 def test_latents_beyond_float16_are_refused_before_a_shard_is_written(tmp_path: Path) -> None:

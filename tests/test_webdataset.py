@@ -12,10 +12,11 @@ import torch
 from helpers import run, train
 from torch.utils.data import DataLoader
 
+from ddpm.data import make_shards as make_shards_module
 from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.make_shards import main as make_shards
 from ddpm.data.make_shards import write_shards
-from ddpm.data.shards import ShardError, assign_shards, decode, expand_urls
+from ddpm.data.shards import ShardError, assign_shards, decode, expand_urls, read_shard
 from ddpm.data.sources import DigitsSource
 from ddpm.data.webdataset import ShardStream, WebDataModule
 
@@ -273,6 +274,44 @@ def test_skip_on_a_truncated_shard_and_an_all_damaged_training_stream_do_not_han
     Path(urls[0]).write_bytes(b"garbage" * 100)
     with pytest.warns(UserWarning), pytest.raises(ShardError, match="no readable samples"):
         within(120, collect, stream(urls[:1], batches_per_epoch=3, on_error="skip"))
+
+
+@pytest.mark.parametrize("damage", ["cut_at_a_member", "cut_in_a_header", "zeros_over_a_header", "a_flipped_byte"])
+def test_a_shard_cut_or_damaged_between_samples_is_refused_not_read_short(shards, damage: str) -> None:
+    """tarfile takes a cut at a member boundary (a killed writer's shard) or any bad header for the archive's end:
+    such a shard was read as a shorter one, silently, even under on_error=raise (GNU tar refuses it). Sample 3's
+    header is damaged; samples 0-1 are read, sample 2 (its fields not known to be whole) and the rest are lost."""
+    urls, images, _ = shards
+    path, data = Path(urls[0]), bytearray(Path(urls[0]).read_bytes())
+    with tarfile.open(path) as tar:
+        at = tar.getmembers()[6].offset  # 00000003.png's header
+    if damage.startswith("cut"):
+        data = data[: at + (100 if damage == "cut_in_a_header" else 0)]
+    elif damage == "zeros_over_a_header":
+        data[at : at + 512] = bytes(512)  # tar's end-of-archive block, with samples after it
+    else:
+        data[at + 5] ^= 0xFF  # a byte of the name: a bad checksum
+    path.write_bytes(bytes(data))
+    read = lambda on_error: list(read_shard(urls[0], image_size=8, channels=1, on_error=on_error))  # noqa: E731
+    with pytest.raises(ShardError, match=r"shard-000000\.tar cannot be read after sample '00000001'.*end-of-archive"):
+        read("raise")
+    with pytest.warns(UserWarning, match=r"skipped 1 damaged sample\(s\) in shard .*shard-000000\.tar"):
+        got = read("skip")
+    assert torch.equal(torch.stack([image for image, _ in got]), images[:2])
+
+
+def test_make_shards_killed_mid_shard_leaves_no_partial_shard(tmp_path: Path, monkeypatch) -> None:
+    """Each shard is written to a temporary file and renamed: a writer stopped inside shard 1 leaves shard 0 whole
+    and no shard-000001.tar, which would read as a shorter shard (and be taken for validation, the last shard)."""
+    images, labels = unique_images(30)
+    calls = iter(range(10**6))
+    real = make_shards_module.png_bytes
+    monkeypatch.setattr(make_shards_module, "png_bytes", lambda image: real(image) if next(calls) < 15 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        write_shards(images, labels, tmp_path / "out", samples_per_shard=10)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["shard-000000.tar"]
+    got = list(read_shard(str(tmp_path / "out" / "shard-000000.tar"), image_size=8, channels=1, on_error="raise"))
+    assert torch.equal(torch.stack([image for image, _ in got]), images[:10])
 
 
 @pytest.mark.slow

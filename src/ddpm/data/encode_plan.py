@@ -136,16 +136,23 @@ class StreamImages:
     count: None = None  # not known before the end
 
     def chunks(self, size: int) -> Iterator[Chunk]:
-        from ddpm.data.shards import read_tar
+        from ddpm.data.shards import DAMAGED, read_tar
 
         pending: list[tuple[str, str, dict[str, bytes]]] = []
         index = first = 0
         for url in self.urls:
-            for key, fields in read_tar(url):
-                pending.append((url, key, fields))
-                if len(pending) == size:
-                    yield index, first, size, lambda batch=pending: self._decode(batch)
-                    index, first, pending = index + 1, first + size, []
+            key = None
+            try:
+                for key, fields in read_tar(url):
+                    pending.append((url, key, fields))
+                    if len(pending) == size:
+                        yield index, first, size, lambda batch=pending: self._decode(batch)
+                        index, first, pending = index + 1, first + size, []
+            except DAMAGED as error:  # truncated, corrupt, cut off: encoding on would leave its samples out
+                where = "at its start" if key is None else f"after sample {key!r}"
+                why = f"{where}: {type(error).__name__}: {error}"
+                fix = "rewrite it (python -m ddpm.data.make_shards) or remove it from data.urls"
+                raise ValueError(f"shard {url} cannot be read {why}; {fix}") from error
         if pending:
             yield index, first, len(pending), lambda batch=pending: self._decode(batch)
 

@@ -19,14 +19,16 @@ import io
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import BinaryIO, ClassVar
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
+from ddpm.atomic import atomic_write
 from ddpm.data.image_folder import ImageFolderSource
 from ddpm.data.images import PILLOW_MAX_PIXELS
 from ddpm.data.sources import CIFAR10Source, DigitsSource, MNISTSource, Source
@@ -88,6 +90,13 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def _write_shard(file: BinaryIO, *, images: Tensor, labels: Tensor, first: int) -> None:
+    with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, (image, label) in enumerate(zip(images, labels, strict=True), start=first):
+            _add(tar, f"{i:08d}.png", png_bytes(image))
+            _add(tar, f"{i:08d}.cls", str(int(label)).encode())
+
+
 def write_shards(
     images: Tensor, labels: Tensor, out: str | Path, *, samples_per_shard: int, prefix: str = "shard"
 ) -> list[Path]:
@@ -112,12 +121,8 @@ def write_chunks(
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for shard, (images, labels) in enumerate(chunks):
-        path = out / f"{prefix}-{shard:06d}.tar"
-        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i, (image, label) in enumerate(zip(images, labels, strict=True), start=shard * samples_per_shard):
-                _add(tar, f"{i:08d}.png", png_bytes(image))
-                _add(tar, f"{i:08d}.cls", str(int(label)).encode())
-        paths.append(path)
+        write = partial(_write_shard, images=images, labels=labels, first=shard * samples_per_shard)
+        paths.append(atomic_write(out / f"{prefix}-{shard:06d}.tar", write))  # whole or absent (a killed writer)
     return paths
 
 

@@ -3,7 +3,9 @@
 A shard is a tar of `<key>.png` (or jpg/webp) + `<key>.cls` members per sample. http(s) URLs are streamed
 by `HTTPShard` (urllib, every read bounded by `timeout_s`, a body shorter than its Content-Length an error:
 tarfile would take a cut at a member boundary for the archive's end); local paths, `file:` and `pipe:` are
-opened with `webdataset.gopen`. Every error names the shard's URL (and the sample's key where there is one).
+opened with `webdataset.gopen`. Every archive must end at tar's end-of-archive marker (tarfile takes a cut, or a
+damaged header, for the end: such a shard read short, silently). Every error names the shard's URL (and the
+sample's key where there is one).
 """
 
 import http.client
@@ -136,9 +138,40 @@ def open_shard(url: str, *, timeout_s: float) -> IO[bytes]:
     return gopen(url, "rb")
 
 
+class _Header(tarfile.TarInfo):
+    """A member's header, noting on the archive why its reading stopped: tarfile ends an archive at any header it
+    cannot read (none left, cut, a bad checksum, a zero block), as if it were the end."""
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as error:
+            tar.stopped_by = error  # type: ignore[attr-defined]
+            raise
+
+
+def _check_end(tar: tarfile.TarFile) -> None:
+    """The archive ended at tar's end-of-archive marker: a zero block, then nothing but zeros (a killed writer's
+    shard ends after a member; a damaged header reads as an end too, with samples after it)."""
+    error = getattr(tar, "stopped_by", None)
+    if isinstance(error, tarfile.EOFHeaderError):
+        while chunk := tar.fileobj.read(1 << 20):  # type: ignore[union-attr]
+            if chunk.strip(b"\0"):
+                break
+        else:
+            return
+    why = "a zero block with data after it" if isinstance(error, tarfile.EOFHeaderError) else error
+    raise tarfile.ReadError(f"the archive stops without tar's end-of-archive marker ({why}): truncated or damaged")
+
+
 def read_tar(url: str, *, timeout_s: float = 60.0) -> Iterator[Sample]:
-    """Stream a tar shard as (key, {ext: bytes}), grouping consecutive members by key (name up to the first dot)."""
-    with open_shard(url, timeout_s=timeout_s) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+    """Stream a tar shard as (key, {ext: bytes}), grouping consecutive members by key (name up to the first dot).
+    An archive cut or damaged between members is an error (its last group is not yielded: it may lack fields)."""
+    with (
+        open_shard(url, timeout_s=timeout_s) as stream,
+        tarfile.open(fileobj=stream, mode="r|*", tarinfo=_Header) as tar,
+    ):
         key, fields = None, {}
         for member in tar:
             if not member.isfile():
@@ -151,6 +184,7 @@ def read_tar(url: str, *, timeout_s: float = 60.0) -> Iterator[Sample]:
                 fields = {}
             key = member_key
             fields[ext.lower()] = tar.extractfile(member).read()  # type: ignore[union-attr]
+        _check_end(tar)
         if key is not None:
             yield key, fields
 
@@ -178,7 +212,7 @@ def decode(
     return convert_channels(tensor, channels)[0], int(fields[label_ext].decode().strip())
 
 
-_DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error, http.client.HTTPException)  # truncated, corrupt, cut off
+DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error, http.client.HTTPException)  # truncated, corrupt, cut off
 
 
 @dataclass
@@ -206,7 +240,7 @@ def read_shard(
     while True:
         try:
             sample = next(samples, None)
-        except _DAMAGED as error:  # the archive itself (unreachable, truncated, not a tar): nothing more to read
+        except DAMAGED as error:  # the archive itself (unreachable, truncated, not a tar): nothing more to read
             _fail_or_count(url, "at its start" if key is None else f"after sample {key!r}", error, on_error)
             dropped, unreadable = dropped + 1, error
             break
