@@ -136,6 +136,31 @@ def test_the_batch_check_uses_each_rank_share_of_the_training_set() -> None:
                 digits_dm(share + 1, world_size=world, rank=rank).setup("fit")
 
 
+def test_ram_validation_under_ddp_gives_each_image_to_one_rank_none_twice() -> None:
+    """180 validation digits over 7 ranks: 26 or 25 each, every image once. The loader had no sampler, so Lightning
+    put in its DistributedSampler, which pads the last ranks with repeats (val/loss counted 2 images twice here,
+    a different mean on another device count). A DistributedSampler subclass, so Lightning keeps it; a rank past
+    a tiny set's end gets one image again (a process with no batch skips the epoch-end reduce the others wait in)."""
+    from torch.utils.data import DistributedSampler
+
+    for world, val_size in ((7, 0.1), (4, 3)):
+        seen = []
+        for rank in range(world):
+            dm = digits_dm(4, world_size=world, rank=rank)
+            dm.val_size = val_size
+            dm.setup("fit")
+            loader = dm.val_dataloader()
+            assert isinstance(loader.sampler, DistributedSampler)
+            seen.append([bytes(image.numpy()) for batch in loader for image in batch[0]])
+        flat = [image for share in seen for image in share]
+        expected = sorted(bytes(image.numpy()) for image in dm.val_set.images[dm.val_set.index])
+        if world == 7:
+            assert len(expected) == 180 and sorted(flat) == expected
+            assert [len(share) for share in seen] == [26, 26, 26, 26, 26, 25, 25]
+        else:  # 3 images on 4 ranks
+            assert sorted(set(flat)) == expected and [len(share) for share in seen] == [1, 1, 1, 1]
+
+
 def test_fewer_batches_than_gradient_accumulation_are_refused_naming_it() -> None:
     digits_dm(404, accumulate=4).setup("fit")  # 1617 // 404 = 4 batches: one full step of 4 micro-batches
     with pytest.raises(ValueError, match=r"3 full batch\(es\) .*trainer\.accumulate_grad_batches=4.*at most 3.*"

@@ -23,7 +23,14 @@ from torch.utils.data import DataLoader
 from ddpm.data.latent_shards import content, read_meta, read_shard
 from ddpm.data.latent_stream import Batch, LatentStream
 from ddpm.data.ram import ImageTensorDataset, available_ram_bytes, keep_batch, start_method
-from ddpm.data.sampler import ResumableLoader, ResumableSampler, RunShape, check_training_batches, generator
+from ddpm.data.sampler import (
+    EvaluationShare,
+    ResumableLoader,
+    ResumableSampler,
+    RunShape,
+    check_training_batches,
+    generator,
+)
 from ddpm.data.sources import require, require_positive_int
 
 TARGET = "ddpm.data.latents.LatentDataModule"
@@ -254,7 +261,8 @@ class LatentDataModule(pl.LightningDataModule):
         if self.stream:
             return DataLoader(dataset, batch_size=None, **common)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank) if train else None
+        share = ResumableSampler if train else EvaluationShare  # validation: every image once over the ranks
+        sampler = share(dataset, num_replicas=world, rank=rank)
         return (ResumableLoader if train else DataLoader)(dataset, sampler=sampler, generator=generator(),
                                                           batch_size=self.batch_size, drop_last=train,
                                                           collate_fn=keep_batch, **common)  # fmt: skip

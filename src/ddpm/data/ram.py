@@ -13,7 +13,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ddpm.data.sampler import ResumableLoader, ResumableSampler, RunShape, check_training_batches, generator
+from ddpm.data.sampler import (
+    EvaluationShare,
+    ResumableLoader,
+    ResumableSampler,
+    RunShape,
+    check_training_batches,
+    generator,
+)
 from ddpm.data.sources import (
     ImageSet,
     Source,
@@ -240,7 +247,8 @@ class RAMDataModule(ScaleOnDevice):
             raise RuntimeError("RAMDataModule.setup() has not run")
         # Training order: a function of (seed, epoch) that resumes mid-epoch, drawing no global RNG (data/sampler.py).
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank) if train else None
+        share = ResumableSampler if train else EvaluationShare  # validation: every image once over the ranks
+        sampler = share(dataset, num_replicas=world, rank=rank)
         return (ResumableLoader if train else DataLoader)(
             dataset,
             sampler=sampler,

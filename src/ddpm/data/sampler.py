@@ -70,6 +70,24 @@ class ResumableSampler(DistributedSampler):
         return iter(indices)
 
 
+class EvaluationShare(DistributedSampler):
+    """Rank r's indices r, r + W, r + 2W, ... in order: each sample on one rank, none twice (DistributedSampler
+    pads the last ranks with repeats, so a per-sample mean over ranks counts some twice, ddpm.epoch_mean). A rank
+    past a set of fewer than W samples takes one of them again: Lightning skips the epoch-end hooks of a process
+    with no batch, and the others would wait for it in the reduce. A DistributedSampler, so Lightning keeps it."""
+
+    def __init__(self, dataset: Dataset[Any], *, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        size = len(dataset)  # type: ignore[arg-type]
+        self.indices = list(range(rank, size, num_replicas)) or ([rank % size] if size else [])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader over a ResumableSampler whose state is (epoch, batches handed out this epoch, samples seen)."""
 
