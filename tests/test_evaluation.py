@@ -108,6 +108,27 @@ def test_sample_py_refuses_its_metric_settings_before_drawing_an_image(evaluated
     assert not list(tmp_path.rglob("samples.npz")) and " images in " not in typo.stdout + one.stdout
 
 
+def test_the_fid_callback_refuses_an_is_it_cannot_compute_before_the_first_step(tmp_path: Path) -> None:
+    """`is` on fewer than 10 images, or with a classifier without logits, trained to the first evaluation (1,000 or
+    5,000 steps by the presets) and failed there, before that step's checkpoint: refused when the callback is built
+    and at fit start, before the reference statistics."""
+    from types import SimpleNamespace
+
+    from ddpm.data.sources import DigitsSource
+    from ddpm.diffusion.samplers.ddim import DDIMSampler
+
+    with pytest.raises(ValueError, match=r"callbacks.fid.num_samples=5: metrics \['fid', 'is'\] need at least 10"):
+        FID(sampler=DDIMSampler(steps=2), metrics=("fid", "is"), num_samples=5)
+    features = tmp_path / "features_only.pt"  # the TorchScript contract's logits(x) is optional
+    torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8))).save(str(features))
+    callback = FID(sampler=DDIMSampler(steps=2), metrics=("fid", "is"), num_samples=10, features=str(features),
+                   cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(source=DigitsSource(), image_size=8, channels=1))
+    with pytest.raises(ValueError, match=rf"callbacks.fid.metrics: is needs class logits; .*features={features} has"):
+        callback.on_fit_start(trainer, SimpleNamespace(device=torch.device("cpu")))
+    assert not (tmp_path / "cache").exists()  # refused before the reference statistics
+
+
 class StubFID(FID):
     """The callback's schedule and logging, its evaluation stubbed: the value is the step it ran at."""
 

@@ -263,6 +263,25 @@ def test_every_objective_the_configs_name_passes_the_check() -> None:
     assert logged_metrics({"callbacks": {"fid": None}}) == ["val/loss", "train/loss"]
 
 
+def test_accuracy_as_objective_needs_a_classifier_with_logits(tmp_path: Path) -> None:
+    """val/accuracy@K is logged only by a classifier with logits: with one without, a run (every job of a sweep)
+    trained to its end, then failed on an objective never logged."""
+    from ddpm.metrics.classifier import SmallClassifier, save_torchscript
+
+    features = tmp_path / "features_only.pt"
+    torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8))).save(str(features))
+    with_logits = save_torchscript(SmallClassifier(in_channels=1, num_classes=10), tmp_path / "clf.pt", image_size=8)
+    for path, logged in ((with_logits, True), (features, False)):
+        cfg = compose("train", ["+callbacks/fid=classifier", f"callbacks.fid.features={path}", "model.num_classes=10",
+                                "callbacks.fid.num_samples=500", "objective=val/accuracy@500",
+                                "paths.output_dir=unused"])  # fmt: skip
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert ("val/accuracy@500" in logged_metrics(resolved)) is logged
+        if not logged:
+            with pytest.raises(ValueError, match=r"objective='val/accuracy@500' is not a metric this run logs"):
+                check_objective(resolved)
+
+
 def falling(n: int) -> list[float]:
     return [2.0 - i / n for i in range(n)]
 

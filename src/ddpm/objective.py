@@ -82,7 +82,7 @@ def logged_metrics(resolved: dict[str, Any]) -> list[str]:
 
 def fid_metrics(node: dict[str, Any], *, conditional: bool) -> list[str]:
     """What a `ddpm.callbacks.fid.FID` config logs: `val/<c><metric>@<K>` as compute_metrics names them (c for a
-    classifier's features; K by count_tag: 500, 1k, 10k), and `val/accuracy@K` for a classifier on a
+    classifier's features; K by count_tag: 500, 1k, 10k), and `val/accuracy@K` for a classifier with logits on a
     conditional model."""
     from ddpm.metrics.fid import count_tag
 
@@ -90,7 +90,19 @@ def fid_metrics(node: dict[str, Any], *, conditional: bool) -> list[str]:
     tag, classifier = count_tag(int(settings["num_samples"])), settings["features"] != "inception"
     prefix = "c" if classifier else ""
     keys = [f"val/{prefix}{name}@{tag}" for metric in settings["metrics"] for name in FID_NAMES.get(metric, ())]
-    return keys + ([f"val/accuracy@{tag}"] if classifier and conditional else [])
+    logits = classifier and conditional and gives_logits(str(settings["features"]))
+    return keys + ([f"val/accuracy@{tag}"] if logits else [])
+
+
+def gives_logits(features: str) -> bool:
+    """Whether the classifier file has logits (the accuracy's); True for a file that cannot be read: the callback
+    refuses it at fit start, naming its key."""
+    from ddpm.metrics.features import classifier_extractor
+
+    try:
+        return classifier_extractor(features).has_logits
+    except (OSError, ValueError):
+        return True
 
 
 def fid_settings(node: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from ddpm.diffusion.network import SamplingPrecision
 from ddpm.diffusion.samplers.base import Sampler
 from ddpm.metrics.evaluate import generate_shard, sharded_features
 from ddpm.metrics.features import FeatureExtractor, build_extractor
-from ddpm.metrics.fid import DEFAULT_CACHE_DIR, METRICS, FeatureStats, compute_metrics, reference_stats
+from ddpm.metrics.fid import DEFAULT_CACHE_DIR, IS_SPLITS, METRICS, FeatureStats, compute_metrics, reference_stats
 from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
 
 
@@ -48,6 +48,9 @@ class FID(Callback):
         unknown = [m for m in metrics if m not in METRICS]
         if unknown:
             raise ValueError(f"callbacks.fid.metrics={list(metrics)}: unknown {unknown}; choose from {list(METRICS)}")
+        if "is" in metrics and num_samples < IS_SPLITS:  # found at the first evaluation, before its checkpoint
+            raise ValueError(f"callbacks.fid.num_samples={num_samples}: metrics {list(metrics)} need at least "
+                             f"{IS_SPLITS} (is: {IS_SPLITS} splits)")  # fmt: skip
         self.sampler, self.every_n_steps, self.num_samples = sampler, every_n_steps, num_samples
         self.metrics, self.features, self.guidance, self.seed = tuple(metrics), features, guidance, seed
         self.batch_size, self.cache_dir = batch_size, cache_dir
@@ -67,6 +70,9 @@ class FID(Callback):
                 "(WebDataset shards, or latents encoded from them): leave callbacks.fid out"
             )
         self.extractor = build_extractor(self.features, pl_module.device, key="callbacks.fid.features")
+        if "is" in self.metrics and not self.extractor.has_logits:
+            raise ValueError(f"callbacks.fid.metrics: is needs class logits; callbacks.fid.features={self.features} "
+                             "has none (no logits method): drop is, or use a classifier with logits")  # fmt: skip
         stats = {"source": datamodule.source, "image_size": datamodule.image_size, "channels": datamodule.channels}
         if trainer.is_global_zero:  # compute (or load) once, then the other ranks read the cache
             self.reference = reference_stats(**stats, extractor=self.extractor, cache_dir=self.cache_dir)

@@ -32,6 +32,7 @@ Metric = Literal["fid", "kid", "is"]
 METRICS: tuple[str, ...] = ("fid", "kid", "is")
 KID_REFERENCE_SIZE = 10_000  # reference features kept for KID (a seeded random subset of the split)
 CACHE_FORMAT = 1
+IS_SPLITS = 10  # the Inception Score's splits (Salimans et al. 2016): at least as many images
 DEFAULT_CACHE_DIR = "~/.cache/lightning-ddpm/reference"
 
 
@@ -107,7 +108,7 @@ def kernel_distance(
     return float(mean), float(std)
 
 
-def inception_score(logits: Tensor, *, splits: int = 10, seed: int = 0) -> tuple[float, float]:
+def inception_score(logits: Tensor, *, splits: int = IS_SPLITS, seed: int = 0) -> tuple[float, float]:
     """IS (Salimans et al. 2016): exp E_x KL(p(y|x) || p(y)), mean and std over `splits` splits of the shuffled set,
     split i holding rows [i N / splits, (i + 1) N / splits) (improved-gan's bounds; torchmetrics' `chunk` made 91
     images 9 splits of 10 and one of 1, whose score is exactly 1). Equal to torchmetrics' where splits divides N."""

@@ -23,7 +23,7 @@ from ddpm.diffusion.samplers.base import decoded
 from ddpm.logs import say
 from ddpm.metrics.evaluate import generate_sharded, shard
 from ddpm.metrics.features import FeatureExtractor, build_extractor
-from ddpm.metrics.fid import METRICS, compute_metrics, reference_stats
+from ddpm.metrics.fid import IS_SPLITS, METRICS, compute_metrics, reference_stats
 from ddpm.ranks import first_process, init_from_env, world
 from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
 from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
@@ -87,8 +87,8 @@ def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, devic
     extractor = build_extractor(str(cfg.metrics.features), device)
     if "is" in requested_metrics(cfg.metrics) and not extractor.has_logits:
         raise ValueError(f"metrics=[is] needs class logits; metrics.features={cfg.metrics.features} has none")
-    if num_samples < (10 if "is" in requested_metrics(cfg.metrics) else 2):  # IS: 10 splits
-        raise ValueError(f"num_samples={num_samples}: the metrics need at least 2 images (is: 10)")
+    if num_samples < (IS_SPLITS if "is" in requested_metrics(cfg.metrics) else 2):
+        raise ValueError(f"num_samples={num_samples}: the metrics need at least 2 images (is: {IS_SPLITS})")
     return extractor
 
 
