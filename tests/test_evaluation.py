@@ -6,6 +6,7 @@ file kind `benchmarks/mnist_quality.py --save-classifier` writes, so no Inceptio
 
 import json
 import math
+import shutil
 import socket
 from pathlib import Path
 
@@ -127,6 +128,38 @@ def test_the_fid_callback_refuses_an_is_it_cannot_compute_before_the_first_step(
     with pytest.raises(ValueError, match=rf"callbacks.fid.metrics: is needs class logits; .*features={features} has"):
         callback.on_fit_start(trainer, SimpleNamespace(device=torch.device("cpu")))
     assert not (tmp_path / "cache").exists()  # refused before the reference statistics
+
+
+def test_sample_py_refuses_a_moved_training_set_before_drawing_naming_metrics_data_root(
+    evaluated_run: dict[str, Path], tmp_path: Path, write_cifar
+) -> None:
+    """The run's data folder gone (moved since training) was found by the reference statistics, after every image
+    was drawn, advising `data.root=`, a key sample.py does not have; now before the first image, naming
+    metrics.data_root. Statistics cached for that data still stand without it, as reference_stats lets them."""
+    import numpy as np
+
+    from ddpm.data.sources import CIFAR10Source
+    from ddpm.metrics.features import build_extractor
+    from ddpm.metrics.fid import reference_stats
+    from ddpm.sampling.run import metrics_extractor
+
+    moved = tmp_path / "cifar_moved"
+    source = {"_target_": "ddpm.data.sources.CIFAR10Source", "root": str(moved), "split": "test"}
+    cache = tmp_path / "cache"
+    cfg = compose("sample", ["metrics=[fid]", f"metrics.features={evaluated_run['classifier']}",
+                             f"metrics.cache_dir={cache}"])  # fmt: skip
+    check = lambda: metrics_extractor(cfg, {"data": {"source": source}}, 8, torch.device("cpu"), (3, 32, 32))  # noqa: E731
+    with pytest.raises(FileNotFoundError, match=rf"metrics: .*{moved}.*pass its folder as metrics.data_root="):
+        check()
+    batches = {"test_batch": (np.random.default_rng(0).integers(0, 256, (12, 3072), dtype=np.uint8), [0] * 12)}
+    cfg.metrics.data_root = str(write_cifar(batches, tmp_path / "cifar_now"))
+    check()  # where it is now
+    write_cifar(batches, moved)
+    reference_stats(CIFAR10Source(root=str(moved), split="test"), image_size=32, channels=3, cache_dir=cache,
+                    extractor=build_extractor(str(evaluated_run["classifier"])))  # fmt: skip  # cached, then moved
+    shutil.rmtree(moved)
+    cfg.metrics.data_root = None
+    check()
 
 
 class StubFID(FID):

@@ -18,12 +18,13 @@ from ddpm.atomic import atomic_write_text
 from ddpm.config import build, validate_config
 from ddpm.config.build import keyed_errors
 from ddpm.config.entries import SampleKeys
+from ddpm.data.sources import Source
 from ddpm.diffusion.generate import Generated, NonFiniteSamplesError, class_cycle, denoiser_for
 from ddpm.diffusion.samplers.base import decoded
 from ddpm.logs import say
 from ddpm.metrics.evaluate import generate_sharded, shard
 from ddpm.metrics.features import FeatureExtractor, build_extractor
-from ddpm.metrics.fid import IS_SPLITS, METRICS, compute_metrics, reference_stats
+from ddpm.metrics.fid import IS_SPLITS, METRICS, compute_metrics, reference_key, reference_path, reference_stats
 from ddpm.ranks import first_process, init_from_env, world
 from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
 from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
@@ -80,11 +81,28 @@ def training_source(run_config: dict) -> dict:
     return data["source"]
 
 
-def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, device: torch.device) -> FeatureExtractor:
+def reference_source(cfg: DictConfig, run_config: dict) -> Source:
+    """The metrics' reference: the run's training source, read from metrics.data_root where given."""
+    node = dict(training_source(run_config))
+    if cfg.metrics.get("data_root"):
+        node["root"] = str(cfg.metrics.data_root)
+    return instantiate_local(node)
+
+
+def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, device: torch.device,
+                      pixels: tuple[int, int, int]) -> FeatureExtractor:  # fmt: skip
     """The metrics' feature extractor, and their settings checked, before any image is drawn (a mistyped
-    metrics.features, Inception's weights missing offline, `is` without logits were found after all of them)."""
-    training_source(run_config)  # the metrics' reference
+    metrics.features, Inception's weights missing offline, `is` without logits, the training data moved since
+    training were found after all of them). `pixels`: the images' (C, H, W)."""
+    source = reference_source(cfg, run_config)
     extractor = build_extractor(str(cfg.metrics.features), device)
+    try:
+        source.files()
+    except FileNotFoundError as error:  # its statistics cached: they stand (reference_stats)
+        key = reference_key(source, image_size=pixels[-1], channels=pixels[0], extractor=extractor.name)
+        if not reference_path(str(cfg.metrics.cache_dir), key).is_file():
+            raise FileNotFoundError(f"metrics: the run's training data, the reference, cannot be read ({error}); "
+                                    "pass its folder as metrics.data_root=<folder>") from error  # fmt: skip
     if "is" in requested_metrics(cfg.metrics) and not extractor.has_logits:
         raise ValueError(f"metrics=[is] needs class logits; metrics.features={cfg.metrics.features} has none")
     if num_samples < (IS_SPLITS if "is" in requested_metrics(cfg.metrics) else 2):
@@ -95,12 +113,9 @@ def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, devic
 def measure(out: Generated, cfg: DictConfig, run_config: dict, extractor: FeatureExtractor) -> dict[str, float]:
     """FID/KID/IS of the generated images against the run's training data (statistics cached)."""
     names, options = requested_metrics(cfg.metrics), cfg.metrics
-    node = dict(training_source(run_config))
-    if options.get("data_root"):
-        node["root"] = str(options.data_root)
     image_size, channels = out.images.shape[-1], out.images.shape[1]
     reference = reference_stats(
-        instantiate_local(node),
+        reference_source(cfg, run_config),
         image_size=image_size,
         channels=channels,
         extractor=extractor,
@@ -151,7 +166,7 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
     if world()[0] == 0:
         check_room(Path(keys.output_dir), keys.num_samples, pixels)
         if requested_metrics(cfg.get("metrics")):  # refused before the images, not after
-            extractor = metrics_extractor(cfg, loaded.config, keys.num_samples, device)
+            extractor = metrics_extractor(cfg, loaded.config, keys.num_samples, device, pixels)
     guidance = keys.guidance if labels is not None else 0.0
     denoiser = denoiser_for(net, diffusion, guidance=guidance, interval=interval, precision=precision,
                             compile=keys.compile, rows=min(batch_size, keys.num_samples))  # fmt: skip
