@@ -425,6 +425,23 @@ def test_load_init_takes_every_format_and_crosses_to_the_diffusers_backbone(tmp_
             assert_same_output(reference.net(x, t, y), net(x, t, y))
 
 
+def test_our_schedules_given_as_trained_betas_to_float_rounding_are_read_as_ours(tmp_path):
+    """A diffusers user's `trained_betas=np.linspace(1e-4, 0.02, 1000)` (one ulp from ours) or betas copied from a
+    scheduler in float32 were refused as "none of our schedules"; equal to 1e-6 relative, as beta_start/beta_end."""
+    import numpy as np
+
+    from ddpm.diffusion.schedule import make_betas
+
+    for name, betas in (("linear", np.linspace(1e-4, 0.02, 1000)), ("linear", make_betas("linear", 1000).float()),
+                        ("cosine", make_betas("cosine", 1000).float())):  # fmt: skip
+        folder = diffusers_folder(tmp_path / f"{name}_{len(list(tmp_path.iterdir()))}", diffusers.DDPMScheduler(
+            trained_betas=np.asarray(betas), prediction_type="v_prediction"))  # fmt: skip
+        assert load_model(folder).diffusion.schedule == name
+    other = diffusers_folder(tmp_path / "other", diffusers.DDPMScheduler(trained_betas=np.linspace(1e-4, 0.021, 1000)))
+    with pytest.raises(CheckpointError, match="trained_betas at T=1000 is none of our schedules"):
+        load_model(other)
+
+
 @pytest.mark.parametrize(
     ("make", "named"),
     [

@@ -76,15 +76,16 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _schedule_of(scheduler: dict[str, Any], num_timesteps: int) -> str | None:
-    """Which of our schedules the scheduler's betas are: trained_betas exactly, or beta_schedule (a linear one
-    within 1e-6 relative of ours: JSON holds beta_start and beta_end as written)."""
+    """Which of our schedules the scheduler's betas are: trained_betas or beta_schedule's, within 1e-6 relative of
+    ours (JSON holds beta_start and beta_end as written; trained_betas: np.linspace's, or ours copied in float32)."""
     betas = scheduler.get("trained_betas")
     for schedule in SCHEDULES:
         try:
             ours = make_betas(schedule, num_timesteps)
         except ValueError:
             continue
-        if betas and torch.equal(ours, torch.tensor(betas, dtype=torch.float64)):
+        given = torch.tensor(betas or [], dtype=torch.float64)
+        if betas and given.shape == ours.shape and torch.allclose(given, ours, rtol=1e-6, atol=0):
             return schedule
         kind = scheduler.get("beta_schedule", "linear")
         if betas or kind != BETA_SCHEDULE[schedule]:
