@@ -503,6 +503,21 @@ def test_export_cli_writes_native_or_says_why_it_falls_back(tmp_path, capsys):
         torch.testing.assert_close(load_model(out).net(x, t), load_model(big).net(x, t), rtol=0, atol=0)
 
 
+def test_export_cli_points_a_class_conditional_model_at_the_guided_loop(tmp_path, capsys):
+    """DDPMPipeline passes no class_labels: a conditional UNet2DModel raises in it, the adapter draws unconditional
+    samples; the export named DDPMPipeline alone for both."""
+    cond = write_run(tmp_path / "cond", preset("unet_tiny", num_classes=3), "eps", 50)
+    out = main([f"ckpt={cond}", f"out={tmp_path / 'cond_export'}"])
+    printed = capsys.readouterr().out
+    assert "class-conditional" in printed and "README.md's guided loop" in printed
+    with pytest.raises(ValueError, match="class_labels should be provided"):  # what the message had advised
+        diffusers.DDPMPipeline.from_pretrained(out)(batch_size=1, num_inference_steps=1)
+    adapter = write_run(tmp_path / "adapter", preset("unet64", base_channels=32, num_classes=3), "eps", 50)
+    main([f"ckpt={adapter}", f"out={tmp_path / 'adapter_export'}"])
+    printed = capsys.readouterr().out
+    assert "draws it unconditionally" in printed and "README.md's guided loop" in printed
+
+
 NO_DIFFUSERS = """
 import importlib.abc, runpy, sys
 class NoDiffusers(importlib.abc.MetaPathFinder):

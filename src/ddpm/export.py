@@ -121,13 +121,22 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"diffusers folder: {out} (unet, scheduler and vae/{adapter}); DDPMPipeline would return latents, not "
               f"images: {loop} samples and decodes it")  # fmt: skip
     elif reason is None:
-        print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)")
+        print(f"diffusers pipeline: {out} (UNet2DModel; DDPMPipeline.from_pretrained({str(out)!r}), no ddpm needed)"
+              + guided(loaded.net.num_classes, "DDPMPipeline cannot call it: it passes no class_labels"))  # fmt: skip
     else:
         print(
             f"diffusers pipeline: {out}, with lightning-ddpm's adapter UNet: diffusers' UNet2DModel cannot hold this "
             f"model ({reason}); import ddpm.weights.diffusers_adapter, then DDPMPipeline.from_pretrained({str(out)!r})"
+            + guided(loaded.net.num_classes, "DDPMPipeline draws it unconditionally (no class_labels: the null class)")
         )
     return out
+
+
+def guided(num_classes: int | None, pipeline: str) -> str:
+    """What a class-conditional export needs beyond DDPMPipeline (README.md, 'Use the model elsewhere')."""
+    if num_classes is None:
+        return ""
+    return f"; a class-conditional model ({num_classes} classes): {pipeline}; README.md's guided loop draws classes"
 
 
 if __name__ == "__main__":
