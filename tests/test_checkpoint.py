@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from helpers import CONF
+from safetensors.torch import save_file
 
 from ddpm import atomic
 from ddpm.atomic import atomic_save
@@ -140,6 +141,11 @@ def test_a_file_that_is_no_checkpoint_is_named_so_and_an_export_folders_file_poi
         with raises_naming(path, "is not a PyTorch checkpoint at all") as error:
             load_checkpoint(path)
         assert advice in str(error.value) and "safe loading" not in str(error.value)
+    # the unet's weights and the unet folder itself (advised a run's ema.safetensors, and a VAE, before)
+    save_file({"w": torch.zeros(1)}, export / "unet" / "diffusion_pytorch_model.safetensors")
+    for path in (export / "unet" / "diffusion_pytorch_model.safetensors", export / "unet"):
+        with pytest.raises(CheckpointError, match=rf"of the diffusers folder {export}: pass ckpt={export}"):
+            load_model(path)
 
 
 # --- instantiate_local: only classes of this package ----------------------------------------------------

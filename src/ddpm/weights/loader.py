@@ -17,7 +17,7 @@ from ddpm.weights.diffusers_folder import ADAPTER, LEGACY_ADAPTERS, load_export
 from ddpm.weights.diffusers_native import NATIVE_UNET, load_native
 from ddpm.weights.model import CheckpointError, LoadedModel
 from ddpm.weights.safetensors_file import load_safetensors_model
-from ddpm.weights.torch_file import load_torch_model
+from ddpm.weights.torch_file import export_folder_of, load_torch_model
 
 
 def load_folder(folder: Path, device: torch.device | str = "cpu") -> LoadedModel:
@@ -49,6 +49,8 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
     pipeline folder of a UNet2DModel our UNet expresses with a DDPMScheduler / DDIMScheduler of our schedules."""
     local = Path(path).expanduser()
     if local.is_dir():
+        if not (local / "model_index.json").is_file() and (folder := export_folder_of(local / "config.json")):
+            raise CheckpointError(f"{local} is the {local.name} of the diffusers folder {folder}: pass ckpt={folder}")
         if not (local / "model_index.json").is_file() and (local / "config.json").is_file():  # one component
             raise CheckpointError(
                 f"{local} holds one diffusers model (config.json), not a pipeline: a VAE (<run dir>/vae) is used by "

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ddpm.atomic import atomic_write
 from ddpm.weights.model import CheckpointError, LoadedModel, build_model
+from ddpm.weights.torch_file import export_folder_of
 
 FORMAT = "lightning-ddpm/ema-safetensors/1"
 CONFIG_KEY = "ddpm_config"
@@ -62,6 +63,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The run config stored in the file's metadata; CheckpointError if absent or not a run config."""
     metadata = read_metadata(path)
+    if CONFIG_KEY not in metadata and (folder := export_folder_of(Path(path))):
+        raise CheckpointError(f"{path} is a file of the diffusers folder {folder}: pass ckpt={folder}")
     if CONFIG_KEY not in metadata:
         raise CheckpointError(
             f"{path} is a safetensors file without lightning-ddpm's {CONFIG_KEY!r} metadata (its metadata keys: "

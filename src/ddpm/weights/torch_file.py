@@ -66,10 +66,15 @@ def load_checkpoint(path: str | os.PathLike, *, key: str = "ckpt") -> dict[str, 
     return checkpoint
 
 
+def export_folder_of(path: Path) -> Path | None:
+    """The diffusers pipeline folder (model_index.json) that `path`, a file or component folder, is part of."""
+    return next((f for f in (path.parent, path.parent.parent) if (f / "model_index.json").is_file()), None)
+
+
 def not_a_checkpoint(path: Path, key: str) -> str:
     """The advice for a file that is no checkpoint: a file of an export folder means the folder; a damaged one
     (a checkpoint's name) another checkpoint of the run."""
-    folder = next((f for f in (path.parent, path.parent.parent) if (f / "model_index.json").is_file()), None)
+    folder = export_folder_of(path)
     if folder is not None and key == "ckpt":
         return f"{path.name} is a file of the diffusers folder {folder}: pass ckpt={folder}"
     if path.suffix in (".ckpt", ".pt", ".pth"):
