@@ -35,3 +35,14 @@ def test_one_image_is_framed_like_many() -> None:
     image = torch.full((1, 1, 3, 3), 7, dtype=torch.uint8)
     grid = tile(image, nrow=4)
     assert grid.shape == (1, 7, 7) and int(grid[0, 2:5, 2:5].sum()) == 63 and int((grid == 255).sum()) == 49 - 9
+
+
+@pytest.mark.parametrize(("count", "num_classes", "columns"), [(64, 10, 10), (64, None, 8), (64, 1000, 8),
+                                                               (256, 1000, 16), (3, 32, 32)])  # fmt: skip
+def test_a_grid_has_a_column_per_class_up_to_32_classes_else_is_square(count, num_classes, columns) -> None:
+    """Labels go 0..K-1 in turn, so K columns put a class in each; a 1,000-class model's grid (imagenet256_latent)
+    was one row of 256 images, 66,050 pixels wide, which viewers and TensorBoard show badly."""
+    from ddpm.sampling.outputs import grid_columns
+
+    assert grid_columns(count, num_classes) == columns
+    assert tile(torch.zeros(count, 3, 8, 8, dtype=torch.uint8), nrow=columns).shape[-1] <= 32 * 10 + 2

@@ -16,7 +16,7 @@ from ddpm.callbacks.monitor import off_the_clock
 from ddpm.diffusion.generate import Generated, class_cycle, denoiser_for, generate
 from ddpm.diffusion.network import SamplingPrecision
 from ddpm.diffusion.samplers.base import Sampler, decoded
-from ddpm.sampling.outputs import write_grid
+from ddpm.sampling.outputs import grid_columns, write_grid
 from ddpm.sampling.runtime import guidance_interval as guidance_interval_of
 from ddpm.sampling.runtime import load_decoder, resolve_sampling_precision
 
@@ -128,9 +128,9 @@ class SampleGrid(StepGrid):
             seed=self.seed,
             precision=self.precision,
         )
-        nrow = pl_module.net.num_classes or int(self.num_samples**0.5)
         path = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
-        grid = write_grid(out.images, path, nrow=nrow)  # sample.py's grid writer: grey or RGB as the model
+        columns = grid_columns(self.num_samples, pl_module.net.num_classes)
+        grid = write_grid(out.images, path, nrow=columns)  # sample.py's grid writer: grey or RGB as the model
         caption = "labels: " + " ".join(map(str, out.labels.tolist())) if out.labels is not None else "unconditional"
         log_grid(trainer, grid, caption)
         return path

@@ -41,6 +41,17 @@ def save_png(grid: Tensor, file) -> None:
     Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array).save(file, format="png")
 
 
+CLASS_COLUMNS = 32  # the most classes a grid gives a column each (labels 0..K-1 in turn: a class per column)
+
+
+def grid_columns(count: int, num_classes: int | None) -> int:
+    """The columns of a grid of `count` images: one per class up to CLASS_COLUMNS classes, else a square (a
+    1,000-class model's grid was one row, 66,050 pixels wide)."""
+    if num_classes is not None and num_classes <= CLASS_COLUMNS:
+        return num_classes
+    return max(1, int(count**0.5))
+
+
 def write_grid(images: Tensor, path: Path, *, nrow: int) -> Tensor:
     """(N, C, H, W) uint8 images as one PNG grid at `path` (white borders; grey or RGB as the images); the grid."""
     grid = tile(images, nrow=nrow)

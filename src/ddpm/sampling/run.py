@@ -27,7 +27,7 @@ from ddpm.metrics.features import FeatureExtractor, build_extractor
 from ddpm.metrics.fid import IS_SPLITS, METRICS, compute_metrics, reference_key, reference_path, reference_stats
 from ddpm.ranks import first_process, init_from_env, world
 from ddpm.run_dir import SAMPLE_FILES, claim, holding, refuse_training_run
-from ddpm.sampling.outputs import check_output_dir, check_room, write_samples
+from ddpm.sampling.outputs import check_output_dir, check_room, grid_columns, write_samples
 from ddpm.sampling.runtime import (
     check_guidance,
     default_batch_size,
@@ -184,7 +184,7 @@ def _sample(keys: SampleKeys, cfg: DictConfig) -> Generated:
     if world()[0] != 0:
         return out
     out_dir = Path(keys.output_dir)
-    write_samples(out.images, out.labels, out_dir, nrow=net.num_classes or int(len(out.images[:256]) ** 0.5))
+    write_samples(out.images, out.labels, out_dir, nrow=grid_columns(len(out.images[:256]), net.num_classes))
     drawn = min(batch_size, shard(keys.num_samples, batch_size, world()[1], 0)[1])  # the batch rank 0 drew (its shard)
     say(
         f"{len(out.images)} images in {out.seconds:.1f} s ({out.images_per_second:.2f} images/s, "
