@@ -568,7 +568,8 @@ def test_http_failures_under_skip_warn_with_the_count_of_skipped_shards(server: 
     warnings that count them; every sample of the sound shards arrives."""
     good = [server.url("files", name) for name in server.names[:3]]
     bad = [server.url("missing", server.names[3]), server.url("stall", server.names[4])]
-    dm = WebDataModule(urls=good, val_urls=[*good, *bad], image_size=8, channels=1, batch_size=4, num_workers=0,
+    train = [server.url("files", server.names[7])]  # validation shards are not training shards
+    dm = WebDataModule(urls=train, val_urls=[*good, *bad], image_size=8, channels=1, batch_size=4, num_workers=0,
                        epoch_length=8, on_error="skip", timeout_s=2.0)  # fmt: skip
     dm.setup("fit")
     with pytest.warns(UserWarning) as caught:

@@ -168,6 +168,11 @@ def test_datamodule_holds_out_validation_shards_and_scales_on_the_device(shards)
     torch.testing.assert_close(x, images[70:74].float() / 127.5 - 1)
     with pytest.raises(ValueError, match=r"data\.val_urls"):
         WebDataModule(urls=urls[0], image_size=8, batch_size=4).setup("fit")
+    # validation shards that also train: a val/loss (the sweeps' objective) on training images, silently
+    with pytest.raises(ValueError, match=r"data\.val_urls and data\.urls share 1 shard\(s\) \(.*shard-000007\.tar\)"):
+        WebDataModule(urls=urls, val_urls=f"{Path(urls[0]).parent}/./shard-000007.tar", image_size=8).setup("fit")
+    with pytest.raises(ValueError, match=r"data\.val_urls is empty"):
+        WebDataModule(urls=urls, val_urls=[], image_size=8).setup("fit")
 
 
 @pytest.mark.parametrize("num_shards", [5, 3])  # more shards than the 4 slots, not a multiple; fewer

@@ -10,6 +10,7 @@ sample's key where there is one).
 
 import http.client
 import io
+import os
 import random
 import tarfile
 import urllib.error
@@ -35,15 +36,21 @@ class ShardError(ValueError):
     """A shard that cannot be read (truncated, corrupt, or holding samples without image or class)."""
 
 
-def expand_urls(urls: str | Sequence[str]) -> list[str]:
+def expand_urls(urls: str | Sequence[str], key: str = "data.urls") -> list[str]:
     """'dir/shard-{000000..000009}.tar' (or a list of such; '::' joins patterns) -> the shard URLs, in order."""
     from webdataset.shardlists import expand_urls as expand  # braces, '::', $WDS_ variables
 
     patterns = [urls] if isinstance(urls, str) else list(urls)
     expanded = [url for pattern in patterns for url in expand(str(pattern))]
     if not expanded:
-        raise ValueError("data.urls is empty; give shards as 'path/shard-{000000..000099}.tar' or a list")
+        raise ValueError(f"{key} is empty; give shards as 'path/shard-{{000000..000099}}.tar' or a list")
     return expanded
+
+
+def same_shard(url: str) -> str:
+    """A URL as compared with others: a local path resolved (shards/./a.tar is shards/a.tar)."""
+    local = url.removeprefix("file:")
+    return url if "://" in url or url.startswith("pipe:") else os.path.realpath(local)
 
 
 def assign_shards(shards: list[str], slot: int, slots: int) -> tuple[list[str], int, int]:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ddpm.data.images import PILLOW_MAX_PIXELS
 from ddpm.data.ram import Batch, ScaleOnDevice
 from ddpm.data.sampler import RunShape, check_training_batches
-from ddpm.data.shards import OnError, ShardError, Skipped, expand_urls, read_shard, worker_share
+from ddpm.data.shards import OnError, ShardError, Skipped, expand_urls, read_shard, same_shard, worker_share
 from ddpm.data.sources import require, require_channels, require_image_size, require_positive_int
 
 
@@ -206,7 +206,13 @@ class WebDataModule(ScaleOnDevice):
         """(training shards, validation shards)."""
         train = expand_urls(self.urls)
         if self.val_urls is not None:
-            return train, expand_urls(self.val_urls)
+            val = expand_urls(self.val_urls, key="data.val_urls")
+            shared = [url for url in val if same_shard(url) in {same_shard(t) for t in train}]
+            if shared:  # a val/loss (the sweeps' objective) on training images
+                raise ValueError(f"data.val_urls and data.urls share {len(shared)} shard(s) ({', '.join(shared[:3])}): "
+                                 "validation images would train too; take them out of data.urls, or leave "
+                                 "data.val_urls unset to hold out data.urls' last data.val_shards")  # fmt: skip
+            return train, val
         if not 1 <= self.val_shards < len(train):
             raise ValueError(
                 f"data.val_shards={self.val_shards} cannot be held out of the {len(train)} shards of data.urls; "
