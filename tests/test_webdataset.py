@@ -251,6 +251,15 @@ def test_truncated_shard_raises_an_error_naming_it(shards):
         within(120, collect, stream(urls), 2)
 
 
+def test_a_shard_that_is_not_there_is_named_with_data_urls_to_check(shards):
+    """A brace range past the last shard (or a moved folder) was told to rewrite the shard with make_shards."""
+    urls, _, _ = shards
+    missing = urls[0].replace("shard-000000", "shard-000099")
+    with pytest.raises(ShardError, match=rf"shard {missing} cannot be read at its start: FileNotFoundError.*; check "
+                                         r"data\.urls \(no such file"):  # fmt: skip
+        within(120, collect, stream([missing]))
+
+
 def test_skip_warns_with_the_count_and_keeps_the_rest(shards, tmp_path: Path):
     """on_error=skip: a bad image inside a sound tar is skipped and counted; the other samples all arrive."""
     urls, images, _ = shards

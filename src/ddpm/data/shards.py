@@ -276,7 +276,9 @@ def read_shard(
 def _fail_or_count(url: str, where: str, error: Exception, on_error: OnError) -> None:
     if on_error == "raise":
         fix = ("check that the server serves it (each read waits at most data.timeout_s)"
-               if isinstance(error, RemoteShardError) else "rewrite it (python -m ddpm.data.make_shards)")  # fmt: skip
+               if isinstance(error, RemoteShardError) else "check data.urls (no such file: a brace range past the "
+               "last shard, or a moved folder)" if isinstance(error, FileNotFoundError)
+               else "rewrite it (python -m ddpm.data.make_shards)")  # fmt: skip
         raise ShardError(
             f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; {fix}, remove it from data.urls, "
             "or set data.on_error=skip"
