@@ -214,6 +214,8 @@ def test_a_whole_float_of_an_int_or_float_setting_keeps_its_meaning(override: st
          r"optim.decay=cosine runs the LR down to trainer.max_steps, which is -1 .*optim.decay=none"),
         (["data.image_size=24"], r"data.image_size=24 but model.image_size=16: .*data.image_size=16 or model.image"),
         (["data.channels=3"], r"data.channels=3 but model.in_channels=1"),
+        (["trainer.max_steps=0"], r"trainer.max_steps=0 trains nothing .*ema.pt"),  # exported untrained weights, rc 0
+        (["trainer.max_epochs=0"], r"trainer.max_epochs=0 trains nothing"),
         (["trainer.precision=64-true"], r"trainer.precision=64-true: float64 .* 32-true"),
         (["+tune.apply=true"], r"tune holds \['apply'\] but no LR range test: choose it with tune=lr_find"),
         (["compile=true", "module.compile_backend=eagr"], r"module.compile_backend='eagr' is not a torch.compile"),

@@ -9,7 +9,8 @@ alone lives with its key (ddpm.config.validate, the constructors); these need tw
 - optim.decay against trainer.max_steps (a decay runs to the last step: without one, configure_optimizers failed
   after the data was loaded);
 - the pixel data's image size and channels against a diffusion model's (refused at the first batch, after the
-  preload).
+  preload);
+- trainer.max_steps and max_epochs: neither 0 (a run that trains nothing).
 """
 
 from typing import Any
@@ -30,6 +31,7 @@ def check_agreement(resolved: dict[str, Any]) -> None:
     check_callback_samplers(resolved)
     check_decay(resolved)
     check_shapes(resolved)
+    check_length(resolved)
 
 
 def check_callback_guidance(resolved: dict[str, Any]) -> None:
@@ -92,3 +94,13 @@ def check_shapes(resolved: dict[str, Any]) -> None:
         if a is not None and b is not None and a != b:
             raise ValueError(f"data.{ours}={a} but model.{theirs}={b}: the model takes the images the data module "
                              f"makes; set one to the other (data.{ours}={b} or model.{theirs}={a})")  # fmt: skip
+
+
+def check_length(resolved: dict[str, Any]) -> None:
+    """trainer.max_steps=0 or max_epochs=0: Lightning trains nothing and the run ended "successfully", its untrained
+    weights exported as ema.pt."""
+    trainer = resolved.get("trainer") or {}
+    for key in ("max_steps", "max_epochs"):
+        if trainer.get(key) == 0:
+            raise ValueError(f"trainer.{key}=0 trains nothing (the run would export its untrained weights as ema.pt); "
+                             f"set trainer.{key}=<how long to train>, or -1 for no limit of that kind")  # fmt: skip
