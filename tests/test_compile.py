@@ -199,10 +199,39 @@ def test_fast_bf16_on_cpu_only_with_amx_per_the_cpu_flags():
 def test_auto_precision_is_bf16_only_where_it_trains_faster(monkeypatch, native, amx, bf16):
     use_cpu(monkeypatch, native=native, amx=amx)
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if bf16 else "32-true")
-    for explicit in ("32-true", "16-mixed"):
-        assert precision.resolve_precision(explicit, "cpu") == explicit
+    assert precision.resolve_precision("32-true", "cpu") == "32-true"
+    for fp16 in ("16-mixed", "16"):  # Lightning trained bf16-mixed instead, under a float16 warning and config record
+        with pytest.raises(ValueError, match=rf"trainer.precision={fp16}: float16 autocast does not run on a CPU"):
+            precision.resolve_precision(fp16, "cpu")
+    assert precision.resolve_precision("16-mixed", "gpu") == "16-mixed"
     monkeypatch.setattr(precision, "native_bf16", lambda device: device == "cuda")  # an Ampere+ GPU
     assert precision.resolve_precision("auto", "gpu") == "bf16-mixed"
+
+
+def test_a_torch_without_onednn_has_no_native_bf16_cpu(monkeypatch):
+    """Builds without oneDNN (some ARM ones: Apple Silicon, Jetson) register no mkldnn ops: `auto` raised an
+    AttributeError in train.py's and sample.py's defaults."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.ops, "mkldnn", SimpleNamespace())
+    assert precision.native_bf16("cpu") is False
+    assert precision.resolve_precision("auto", "cpu") == "32-true"
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert precision.native_bf16("cpu") is False
+
+
+def test_explicit_bf16_sampling_on_a_cpu_without_it_warns(monkeypatch):
+    """sample.py precision=bf16 where bf16 runs on reference kernels: a warning (its check read a copy of
+    native_bf16 that the CPU stand-ins did not reach)."""
+    from ddpm.sampling.runtime import resolve_sampling_precision
+
+    use_cpu(monkeypatch, native=False, amx=False)
+    with pytest.warns(UserWarning, match=r"precision=bf16 on a cpu without native bfloat16.*precision=32"):
+        assert resolve_sampling_precision("bf16", "cpu") == "bf16"
+    use_cpu(monkeypatch, native=True, amx=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_sampling_precision("bf16", "cpu") == "bf16"
 
 
 def test_explicit_bf16_on_a_cpu_without_it_warns_and_names_the_fix(monkeypatch):
@@ -238,6 +267,8 @@ def test_auto_compile_is_on_where_measured_to_pay_off(monkeypatch, native, amx, 
     assert ("mode default" in precision.compile_note("default", "gpu")) and "off" in precision.compile_note(
         False, "cpu"
     )
+    assert "CUDA graphs" in precision.compile_note("default", "gpu")
+    assert "CUDA graphs" not in precision.compile_note("default", "cpu")  # never on a CPU (uses_cudagraphs)
     resolved = training.resolve_config(compose("train", ["experiment=mnist", "paths.output_dir=unused"]))
     assert resolved["compile"] == on and resolved["module"]["compile"] == on
     assert resolved["trainer"]["precision"] == ("bf16-mixed" if bf16 else "32-true")

@@ -129,6 +129,7 @@ class Run:
     precision: str  # the experiment's trainer.precision, resolved for this CPU (auto -> bf16-mixed or 32-true)
     config: dict  # the experiment's own optim, ema and diffusion settings, as composed
     pixels: tuple[int, int]  # what sample.py writes: (side, channels); a latent model's decoded by its VAE
+    auto_precision: bool  # the experiment's trainer.precision is auto
 
 
 def train_experiment(experiment: str, request: pytest.FixtureRequest, folder: Path) -> Run:
@@ -158,6 +159,7 @@ def train_experiment(experiment: str, request: pytest.FixtureRequest, folder: Pa
         pixels=LATENT_PIXELS[experiment][::-1]
         if experiment in LATENT_PIXELS
         else (composed.model.image_size, composed.model.in_channels),
+        auto_precision=trainer.precision == "auto",
     )
 
 
@@ -209,6 +211,8 @@ def test_trains_two_steps_with_its_own_settings(trained: Run) -> None:
     with (trained.dir / "csv" / "metrics.csv").open() as f:
         val_losses = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
     assert val_losses and all(math.isfinite(v) for v in val_losses), val_losses
+    if trained.auto_precision:  # what `auto` chose on this machine is said, as compile=auto's choice is
+        assert f"trainer.precision=auto: {trained.precision} on this cpu" in (trained.dir / "train.log").read_text()
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -52,8 +52,9 @@ def native_bf16(device: str) -> bool:
     runs bf16 on natively (AVX512-BF16 / AMX; AVX512 core at least). False on AVX2-only CPUs."""
     if device == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)  # no driver: False
-    if device == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if device == "cpu":  # builds without oneDNN (some ARM ones) register no mkldnn ops: no native bf16
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return torch.backends.mkldnn.is_available() and supported is not None and bool(supported())
     return False
 
 
@@ -88,6 +89,9 @@ def resolve_precision(precision: str | int | None, accelerator: str | None = "au
                          "bf16-mixed / auto for speed")  # fmt: skip
     if name == "auto":
         return "bf16-mixed" if fast_bf16(device) else "32-true"
+    if name in ("16", "16-mixed") and device == "cpu":  # Lightning trains bf16-mixed instead, config.yaml says 16
+        raise ValueError(f"trainer.precision={name}: float16 autocast does not run on a CPU (Lightning would train "
+                         "bf16-mixed instead); use auto, bf16-mixed (fast on AMX CPUs) or 32-true")  # fmt: skip
     present = device == "cpu" or torch.cuda.is_available()  # no GPU at all: Lightning's own error says so later
     if name.startswith("bf16") and present and not native_bf16(device):
         detail = torch.backends.cpu.get_cpu_capability() if device == "cpu" else torch.cuda.get_device_name()
@@ -133,8 +137,15 @@ def compile_note(decided: bool | str, accelerator: str | None = "auto") -> str:
     if decided is False:
         return (f"compile=auto: off on this {device} (measured not to pay off: 1.00x on AVX512-BF16 without AMX, "
                 "0.87x on AVX2; compile=true to force it)")  # fmt: skip
-    why = "CUDA" if device == "cuda" else "a CPU with AMX (bf16 + compile 1.37x bf16 eager)"
-    return f"compile=auto: mode {decided} on {why}; compile=reduce-overhead adds CUDA graphs"
+    if device == "cuda":
+        return f"compile=auto: mode {decided} on CUDA; compile=reduce-overhead adds CUDA graphs"
+    return f"compile=auto: mode {decided} on a CPU with AMX (bf16 + compile 1.37x bf16 eager)"
+
+
+def precision_note(decided: str, accelerator: str | None = "auto") -> str:
+    """The log line of `trainer.precision=auto`: what it chose on this device."""
+    return (f"trainer.precision=auto: {decided} on this {run_device(accelerator)} (bf16-mixed where measured faster "
+            "than float32: CUDA with bf16, CPUs with AMX)")  # fmt: skip
 
 
 def configure_precision(precision: str | int | None, *, tf32: bool = True) -> list[str]:

@@ -28,7 +28,7 @@ from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.objective import check_objective, objective_value
-from ddpm.precision import compile_note, configure_precision, resolve_compile, resolve_precision
+from ddpm.precision import compile_note, configure_precision, precision_note, resolve_compile, resolve_precision
 from ddpm.ranks import first_process
 from ddpm.resume import (
     check_resume,
@@ -174,6 +174,8 @@ def train(cfg: DictConfig) -> float | None:
         pl.seed_everything(keys.seed, workers=True)
     if str(cfg.get("compile")).lower() == "auto" and first_process():
         say(compile_note(keys.compile, OmegaConf.select(cfg, "trainer.accelerator")))
+    if str(OmegaConf.select(cfg, "trainer.precision")) == "auto" and first_process():
+        say(precision_note(resolved["trainer"]["precision"], OmegaConf.select(cfg, "trainer.accelerator")))
     precision = resolved.get("trainer", {}).get("precision")
     start_step, before, wandb_run = 0, None, None
     if ckpt_path is not None:  # refusals first: a refused resume writes nothing into the run folder

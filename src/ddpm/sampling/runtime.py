@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from ddpm import precision as device_policy  # its functions looked up at each call (tests stand in CPUs)
 from ddpm.config.build import keyed
 from ddpm.diffusion.denoiser import check_interval, guidance_refusal
 from ddpm.diffusion.network import PRECISIONS, Precision
 from ddpm.models.vae import VAE
-from ddpm.precision import fast_bf16, native_bf16
 from ddpm.ranks import world
 
 CPU_BATCH = 64  # network rows per call on CPU (unet_mnist: 64 ~1.7x faster per image than 256)
@@ -66,10 +66,10 @@ def resolve_sampling_precision(
     name = str(precision)
     device_type = torch.device(device).type
     if name == "auto":
-        return "bf16" if fast_bf16(device_type) else "32"
+        return "bf16" if device_policy.fast_bf16(device_type) else "32"
     if name not in PRECISIONS:
         raise ValueError(f"{key}={precision!r} must be auto, 32 or bf16")
-    if name == "bf16" and not native_bf16(device_type):
+    if name == "bf16" and not device_policy.native_bf16(device_type):
         warnings.warn(
             f"{key}=bf16 on a {device_type} without native bfloat16: the network will run slower than in float32; "
             f"use {key}=auto or {key}=32",
