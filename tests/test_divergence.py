@@ -267,6 +267,45 @@ def test_16_mixed_gradients_are_unscaled_before_the_guard_and_clipping() -> None
     assert moved == pytest.approx(true_moved, rel=0.05)
 
 
+def test_the_grad_scalers_own_skips_under_16_mixed_are_not_faults() -> None:
+    """A GradScaler whose scale is too high for the model skips steps while it halves the scale (torch's AMP: normal
+    at the start of fp16 training, and after each growth): the guard counted each in `consecutive` and stopped a
+    healthy run blaming NaN/fp16. Overflowing gradients with a finite loss while the scale is above 1 are skipped
+    and counted in train/skipped_steps, not towards max_consecutive; a NaN loss, or an overflow at scale <= 1, is."""
+    import lightning.pytorch as pl
+    from helpers import tiny_unet
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from ddpm.data.ram import RAMDataModule
+    from ddpm.data.sources import DigitsSource
+    from ddpm.diffusion.gaussian import GaussianDiffusion
+    from ddpm.module import DiffusionModule
+    from ddpm.optim import AdamW
+
+    pl.seed_everything(0, verbose=False)
+    module = DiffusionModule(net=tiny_unet(), diffusion=GaussianDiffusion(num_timesteps=100),
+                             optim=AdamW(lr=1e-3, warmup_steps=0))  # fmt: skip
+    data = RAMDataModule(source=DigitsSource(), image_size=8, channels=1, batch_size=8, limit=128, val_size=8)
+    guard = NaNGuard(max_consecutive=3)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=1, plugins=[plugin],
+                         callbacks=[guard])  # fmt: skip
+    trainer.fit(module, datamodule=data)  # raised NonFiniteLossError at step 3
+    assert guard.skipped >= 3 and trainer.precision_plugin.scaler.get_scale() < 2.0**40
+    for entry, stops in (([math.inf, 0.5, 2.0**16], False), ([math.inf, math.nan, 2.0**16], True),
+                         ([math.inf, 0.5, 1.0], True), ([math.nan, 0.5, 1.0], True)):  # fmt: skip
+        guard = NaNGuard(max_consecutive=3)
+        guard._history = [(step, torch.tensor(entry)) for step in range(3)]
+        if stops:
+            with pytest.raises(NonFiniteLossError):
+                guard.check()
+        else:
+            guard.check()
+            assert (guard.skipped, guard.consecutive) == (3, 0)
+
+
 class ConstantLoss:
     """A LightningModule whose every micro-batch loss is 2.0 (with a gradient)."""
 

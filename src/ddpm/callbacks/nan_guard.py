@@ -58,7 +58,9 @@ should have stopped) and when training ends. A run therefore stops up to `log_ev
 its stopping step, naming that step; the steps in between were skipped (non-finite) or diverging, and no checkpoint
 was written after it. An optimizer without `found_inf` (not fused) gets the old path: one sync per step, and a
 skipped step drops its gradients. Under 16-mixed the GradScaler sets `found_inf` itself: it skips NaN/inf gradients;
-a finite gradient whose norm overflows is then not skipped, only counted.
+a finite gradient whose norm overflows is then not skipped, only counted. Its own skips (a finite loss whose fp16
+gradients overflow a loss scale above 1, which it then halves: at the start of fp16 training and after each growth)
+count in `train/skipped_steps` but not towards `max_consecutive`.
 """
 
 import math
@@ -164,7 +166,10 @@ class NaNGuard(Callback):
             mean = torch.stack([loss.to(norm.device) for loss in self._losses]).mean()
             loss = trainer.strategy.reduce(mean, reduce_op="mean").float()
         self._losses = []
-        self._history.append((trainer.global_step, torch.stack([norm, loss])))
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)  # 16-mixed: this step's scale
+        scale = getattr(scaler, "_scale", None)  # on the device, halved in place by the scaler's update: copied
+        scale = torch.ones((), device=norm.device) if scale is None else scale.detach().float().reshape(()).clone()
+        self._history.append((trainer.global_step, torch.stack([norm, loss, scale.to(norm.device)])))
         optimizer.grad_norm = norm  # gradient clipping, next, reuses it (DiffusionModule.configure_gradient_clipping)
         if skips_on_device(optimizer):
             optimizer.found_inf = (~norm.isfinite()).float()  # the fused kernel leaves weights, moments, step
@@ -183,13 +188,15 @@ class NaNGuard(Callback):
         steps = [step for step, _ in self._history]
         values = torch.stack([v for _, v in self._history]).tolist()  # the one host sync of the guard
         self._history = []
-        for step, (norm, loss) in zip(steps, values, strict=True):
+        for step, (norm, loss, scale) in zip(steps, values, strict=True):
             if math.isfinite(loss) and loss > 0:
                 self._track(math.log(loss), trainer, step)
             if math.isfinite(norm):
                 self.consecutive = 0
                 continue
             self.skipped += 1
+            if math.isfinite(loss) and scale > 1:  # fp16 gradients overflowing a loss scale the GradScaler now halves
+                continue
             self.consecutive += 1
             if self.consecutive >= self.max_consecutive:
                 raise NonFiniteLossError(self._message(trainer, self._nonfinite_cause(), step))
