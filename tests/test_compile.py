@@ -199,11 +199,15 @@ def test_fast_bf16_on_cpu_only_with_amx_per_the_cpu_flags():
 def test_auto_precision_is_bf16_only_where_it_trains_faster(monkeypatch, native, amx, bf16):
     use_cpu(monkeypatch, native=native, amx=amx)
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed" if bf16 else "32-true")
-    assert precision.resolve_precision("32-true", "cpu") == "32-true"
+    for explicit in ("32-true", "16-mixed"):  # python -m ddpm.memory sizes a GPU's 16-mixed run on a CPU
+        assert precision.resolve_precision(explicit, "cpu") == explicit
     for fp16 in ("16-mixed", "16"):  # Lightning trained bf16-mixed instead, under a float16 warning and config record
-        with pytest.raises(ValueError, match=rf"trainer.precision={fp16}: float16 autocast does not run on a CPU"):
-            precision.resolve_precision(fp16, "cpu")
-    assert precision.resolve_precision("16-mixed", "gpu") == "16-mixed"
+        with pytest.raises(ValueError, match=rf"trainer.precision={fp16} on a CPU: Lightning trains bf16-mixed"):
+            training.resolve_config(compose("train", [f"trainer.precision={fp16}", "paths.output_dir=unused"]))
+    precision.check_fp16_device("16-mixed", "gpu")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)  # Apple Silicon: Lightning's auto is MPS,
+    assert precision.run_device("auto") == "mps"  # where 16-mixed trains in float16
+    precision.check_fp16_device("16-mixed", "auto")
     monkeypatch.setattr(precision, "native_bf16", lambda device: device == "cuda")  # an Ampere+ GPU
     assert precision.resolve_precision("auto", "gpu") == "bf16-mixed"
 

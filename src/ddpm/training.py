@@ -28,7 +28,14 @@ from ddpm.job_end import WANDB_RUN_KEY, KeepWandbRun, finished, recorded
 from ddpm.logs import say
 from ddpm.memory import explain_oom
 from ddpm.objective import check_objective, objective_value
-from ddpm.precision import compile_note, configure_precision, precision_note, resolve_compile, resolve_precision
+from ddpm.precision import (
+    check_fp16_device,
+    compile_note,
+    configure_precision,
+    precision_note,
+    resolve_compile,
+    resolve_precision,
+)
 from ddpm.ranks import first_process
 from ddpm.resume import (
     check_resume,
@@ -133,6 +140,7 @@ def auto_decisions(cfg: DictConfig) -> dict[str, Any]:
     precision = OmegaConf.select(cfg, "trainer.precision")
     if precision is not None:
         decided["trainer.precision"] = resolve_precision(precision, accelerator)
+        check_fp16_device(precision, accelerator)
     for key in ("compile", "module.compile"):
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str):
