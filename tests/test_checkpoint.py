@@ -144,8 +144,8 @@ def test_a_file_that_is_no_checkpoint_is_named_so_and_an_export_folders_file_poi
     # the unet's weights and the unet folder itself (advised a run's ema.safetensors, and a VAE, before)
     save_file({"w": torch.zeros(1)}, export / "unet" / "diffusion_pytorch_model.safetensors")
     for path in (export / "unet" / "diffusion_pytorch_model.safetensors", export / "unet"):
-        with pytest.raises(CheckpointError, match=rf"of the diffusers folder {export}: pass ckpt={export}"):
-            load_model(path)
+        with pytest.raises(CheckpointError, match=rf"of the diffusers folder {export}: pass the folder"):
+            load_model(path)  # the same words for ckpt= and init_from=
 
 
 # --- instantiate_local: only classes of this package ----------------------------------------------------

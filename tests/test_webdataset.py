@@ -171,6 +171,8 @@ def test_datamodule_holds_out_validation_shards_and_scales_on_the_device(shards)
     # validation shards that also train: a val/loss (the sweeps' objective) on training images, silently
     with pytest.raises(ValueError, match=r"data\.val_urls and data\.urls share 1 shard\(s\) \(.*shard-000007\.tar\)"):
         WebDataModule(urls=urls, val_urls=f"{Path(urls[0]).parent}/./shard-000007.tar", image_size=8).setup("fit")
+    with pytest.raises(ValueError, match=r"data\.val_urls and data\.urls share 1 shard"):  # file://, as gopen reads
+        WebDataModule(urls=urls, val_urls=f"file://{urls[3]}", image_size=8).setup("fit")
     with pytest.raises(ValueError, match=r"data\.val_urls is empty"):
         WebDataModule(urls=urls, val_urls=[], image_size=8).setup("fit")
 
@@ -256,7 +258,7 @@ def test_a_shard_that_is_not_there_is_named_with_data_urls_to_check(shards):
     urls, _, _ = shards
     missing = urls[0].replace("shard-000000", "shard-000099")
     with pytest.raises(ShardError, match=rf"shard {missing} cannot be read at its start: FileNotFoundError.*; check "
-                                         r"data\.urls \(no such file"):  # fmt: skip
+                                         r"data\.urls / data\.val_urls \(no such file"):  # fmt: skip
         within(120, collect, stream([missing]))
 
 
@@ -306,6 +308,9 @@ def test_a_shard_cut_or_damaged_between_samples_is_refused_not_read_short(shards
     else:
         data[at + 5] ^= 0xFF  # a byte of the name: a bad checksum
     path.write_bytes(bytes(data))
+    whole = Path(urls[1]).read_bytes()  # a whole shard with data after its end-of-archive marker: read whole, as
+    Path(urls[1]).write_bytes(whole + b"GARBAGE\n")  # GNU tar reads it (a torn copy's tail, another tar appended)
+    assert len(list(read_shard(urls[1], image_size=8, channels=1, on_error="raise"))) == 10
     read = lambda on_error: list(read_shard(urls[0], image_size=8, channels=1, on_error=on_error))  # noqa: E731
     with pytest.raises(ShardError, match=r"shard-000000\.tar cannot be read after sample '00000001'.*end-of-archive"):
         read("raise")

@@ -133,7 +133,7 @@ class NaNGuard(Callback):
         self.slow, self.slow_updates = 0.0, 0  # slow debiased average of the log-loss (the running level), the same
         self.above = 0  # diverging steps, less one per step back under the threshold (never below 0)
         self._losses: list[Tensor] = []  # this process's micro-batch losses since the last optimizer step (device)
-        self._history: list[tuple[int, Tensor]] = []  # (optimizer step, [grad norm, mean loss]) not yet checked
+        self._history: list[tuple[int, Tensor]] = []  # (step, [grad norm, mean loss, loss scale]) not yet checked
         self._trainer: pl.Trainer | None = None
 
     @property

@@ -136,7 +136,7 @@ class StreamImages:
     count: None = None  # not known before the end
 
     def chunks(self, size: int) -> Iterator[Chunk]:
-        from ddpm.data.shards import DAMAGED, read_tar
+        from ddpm.data.shards import DAMAGED, read_tar, shard_fix
 
         pending: list[tuple[str, str, dict[str, bytes]]] = []
         index = first = 0
@@ -151,8 +151,7 @@ class StreamImages:
             except DAMAGED as error:  # truncated, corrupt, cut off: encoding on would leave its samples out
                 where = "at its start" if key is None else f"after sample {key!r}"
                 why = f"{where}: {type(error).__name__}: {error}"
-                fix = "rewrite it (python -m ddpm.data.make_shards) or remove it from data.urls"
-                raise ValueError(f"shard {url} cannot be read {why}; {fix}") from error
+                raise ValueError(f"shard {url} cannot be read {why}; {shard_fix(error)}, or remove it") from error
         if pending:
             yield index, first, len(pending), lambda batch=pending: self._decode(batch)
 

@@ -48,9 +48,19 @@ def expand_urls(urls: str | Sequence[str], key: str = "data.urls") -> list[str]:
 
 
 def same_shard(url: str) -> str:
-    """A URL as compared with others: a local path resolved (shards/./a.tar is shards/a.tar)."""
-    local = url.removeprefix("file:")
-    return url if "://" in url or url.startswith("pipe:") else os.path.realpath(local)
+    """A URL as compared with others: a local path resolved (shards/./a.tar, file:shards/a.tar and
+    file:///abs/shards/a.tar are the same file)."""
+    local = url.removeprefix("file://") if url.startswith("file://") else url.removeprefix("file:")
+    return url if "://" in local or local.startswith("pipe:") else os.path.realpath(local)
+
+
+def shard_fix(error: BaseException) -> str:
+    """What to do about a shard that cannot be read, by why."""
+    if isinstance(error, RemoteShardError):
+        return "check that the server serves it (each read waits at most data.timeout_s)"
+    if isinstance(error, FileNotFoundError):
+        return "check data.urls / data.val_urls (no such file: a brace range past the last shard, or a moved folder)"
+    return "rewrite it (python -m ddpm.data.make_shards)"
 
 
 def assign_shards(shards: list[str], slot: int, slots: int) -> tuple[list[str], int, int]:
@@ -159,15 +169,11 @@ class _Header(tarfile.TarInfo):
 
 
 def _check_end(tar: tarfile.TarFile) -> None:
-    """The archive ended at tar's end-of-archive marker: a zero block, then nothing but zeros (a killed writer's
-    shard ends after a member; a damaged header reads as an end too, with samples after it)."""
+    """The archive ended at tar's end-of-archive marker: two zero blocks, or one at the file's end (a killed
+    writer's shard ends after a member; a damaged header reads as an end too, with samples after it)."""
     error = getattr(tar, "stopped_by", None)
-    if isinstance(error, tarfile.EOFHeaderError):
-        while chunk := tar.fileobj.read(1 << 20):  # type: ignore[union-attr]
-            if chunk.strip(b"\0"):
-                break
-        else:
-            return
+    if isinstance(error, tarfile.EOFHeaderError) and not tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):  # type: ignore[union-attr]
+        return  # the marker's second zero block (or the file's end): what follows is not the archive's, as GNU tar
     why = "a zero block with data after it" if isinstance(error, tarfile.EOFHeaderError) else error
     raise tarfile.ReadError(f"the archive stops without tar's end-of-archive marker ({why}): truncated or damaged")
 
@@ -275,11 +281,7 @@ def read_shard(
 
 def _fail_or_count(url: str, where: str, error: Exception, on_error: OnError) -> None:
     if on_error == "raise":
-        fix = ("check that the server serves it (each read waits at most data.timeout_s)"
-               if isinstance(error, RemoteShardError) else "check data.urls (no such file: a brace range past the "
-               "last shard, or a moved folder)" if isinstance(error, FileNotFoundError)
-               else "rewrite it (python -m ddpm.data.make_shards)")  # fmt: skip
         raise ShardError(
-            f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; {fix}, remove it from data.urls, "
-            "or set data.on_error=skip"
+            f"shard {url} cannot be read {where}: {type(error).__name__}: {error}; {shard_fix(error)}, remove it "
+            "from its list, or set data.on_error=skip"
         ) from error

@@ -207,7 +207,8 @@ class WebDataModule(ScaleOnDevice):
         train = expand_urls(self.urls)
         if self.val_urls is not None:
             val = expand_urls(self.val_urls, key="data.val_urls")
-            shared = [url for url in val if same_shard(url) in {same_shard(t) for t in train}]
+            training = {same_shard(url) for url in train}
+            shared = [url for url in val if same_shard(url) in training]
             if shared:  # a val/loss (the sweeps' objective) on training images
                 raise ValueError(f"data.val_urls and data.urls share {len(shared)} shard(s) ({', '.join(shared[:3])}): "
                                  "validation images would train too; take them out of data.urls, or leave "

@@ -101,8 +101,9 @@ def metrics_extractor(cfg: DictConfig, run_config: dict, num_samples: int, devic
     except FileNotFoundError as error:  # its statistics cached: they stand (reference_stats)
         key = reference_key(source, image_size=pixels[-1], channels=pixels[0], extractor=extractor.name)
         if not reference_path(str(cfg.metrics.cache_dir), key).is_file():
-            raise FileNotFoundError(f"metrics: the run's training data, the reference, cannot be read ({error}); "
-                                    "pass its folder as metrics.data_root=<folder>") from error  # fmt: skip
+            where = getattr(source, "root", None)
+            raise FileNotFoundError(f"metrics: the run's training data, the reference, is not in {where} (moved since "
+                                    "training?); pass its folder as metrics.data_root=<folder>") from error  # fmt: skip
     if "is" in requested_metrics(cfg.metrics) and not extractor.has_logits:
         raise ValueError(f"metrics=[is] needs class logits; metrics.features={cfg.metrics.features} has none")
     if num_samples < (IS_SPLITS if "is" in requested_metrics(cfg.metrics) else 2):

@@ -50,7 +50,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "model_index.json").is_file() and (folder := export_folder_of(local / "config.json")):
-            raise CheckpointError(f"{local} is the {local.name} of the diffusers folder {folder}: pass ckpt={folder}")
+            raise CheckpointError(f"{local} is the {local.name} of the diffusers folder {folder}: pass the folder")
         if not (local / "model_index.json").is_file() and (local / "config.json").is_file():  # one component
             raise CheckpointError(
                 f"{local} holds one diffusers model (config.json), not a pipeline: a VAE (<run dir>/vae) is used by "

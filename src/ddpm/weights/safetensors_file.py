@@ -64,7 +64,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The run config stored in the file's metadata; CheckpointError if absent or not a run config."""
     metadata = read_metadata(path)
     if CONFIG_KEY not in metadata and (folder := export_folder_of(Path(path))):
-        raise CheckpointError(f"{path} is a file of the diffusers folder {folder}: pass ckpt={folder}")
+        raise CheckpointError(f"{path} is a file of the diffusers folder {folder}: pass the folder")
     if CONFIG_KEY not in metadata:
         raise CheckpointError(
             f"{path} is a safetensors file without lightning-ddpm's {CONFIG_KEY!r} metadata (its metadata keys: "
