@@ -29,10 +29,10 @@ sample: $(STAMP)  ## sample from a run: make sample ARGS='ckpt=outputs/.../ema.p
 	$(BIN)/python sample.py $(ARGS)
 
 test: $(STAMP)  ## the whole test suite (slow tests included), TEST_WORKERS=2 files at a time
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-fast: $(STAMP)  ## the suite without the tests marked slow
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(ARGS)
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(BIN)/ruff check .

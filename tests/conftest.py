@@ -79,11 +79,14 @@ def ddpm_cifar10() -> torch.nn.Module:
 
 
 # The files that take longest (minutes of subprocesses) run first: with `--dist loadfile` each file stays on one
-# worker, and a long file started last would leave the other worker idle at the end.
-LONGEST_FIRST = ["test_docs_commands.py", "test_experiments.py", "test_run_faults.py", "test_diffusers_native.py",
-                 "test_multinode.py", "test_ddp.py", "test_workflow.py", "test_gpu_readiness.py", "test_resume.py",
-                 "test_data_faults.py", "test_user_faults.py", "test_latent_pipeline.py", "test_fast_sampling.py",
-                 "test_export.py", "test_faults.py", "test_warm.py", "test_edm.py"]  # fmt: skip  # make test, 11-2026
+# worker, and a long file started last would leave the other worker idle at the end. xdist's own order (by test
+# count) would override it: the Makefile passes --no-loadscope-reorder. Seconds per file in `make test` (junit,
+# 2-core EPYC, 2026-11-28): 192, 141, 130, 117, 99, 91, 78, 73, 64, 63, 58, 51, 51, 44, 42, 42, 37, 33, 32, 31, 30.
+LONGEST_FIRST = ["test_docs_commands.py", "test_experiments.py", "test_resume.py", "test_run_faults.py",
+                 "test_paths.py", "test_diffusers_native.py", "test_latent_pipeline.py", "test_multinode.py",
+                 "test_user_faults.py", "test_workflow.py", "test_data_faults.py", "test_gpu_readiness.py",
+                 "test_ddp.py", "test_vae_training.py", "test_export.py", "test_entrypoints.py", "test_faults.py",
+                 "test_evaluation.py", "test_webdataset.py", "test_warm.py", "test_edm.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
