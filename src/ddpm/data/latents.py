@@ -23,14 +23,7 @@ from torch.utils.data import DataLoader
 from ddpm.data.latent_shards import content, read_meta, read_shard
 from ddpm.data.latent_stream import Batch, LatentStream
 from ddpm.data.ram import ImageTensorDataset, available_ram_bytes, keep_batch, start_method
-from ddpm.data.sampler import (
-    EvaluationShare,
-    ResumableLoader,
-    ResumableSampler,
-    RunShape,
-    check_training_batches,
-    generator,
-)
+from ddpm.data.sampler import ResumableSampler, RunShape, check_training_batches, rank_loader
 from ddpm.data.sources import require, require_positive_int
 
 TARGET = "ddpm.data.latents.LatentDataModule"
@@ -260,12 +253,8 @@ class LatentDataModule(pl.LightningDataModule):
         common = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory)
         if self.stream:
             return DataLoader(dataset, batch_size=None, **common)
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        share = ResumableSampler if train else EvaluationShare  # validation: every image once over the ranks
-        sampler = share(dataset, num_replicas=world, rank=rank)
-        return (ResumableLoader if train else DataLoader)(dataset, sampler=sampler, generator=generator(),
-                                                          batch_size=self.batch_size, drop_last=train,
-                                                          collate_fn=keep_batch, **common)  # fmt: skip
+        return rank_loader(dataset, train=train, trainer=self.trainer, batch_size=self.batch_size,
+                           collate_fn=keep_batch, **common)  # fmt: skip
 
     def train_dataloader(self) -> DataLoader[Batch]:
         if isinstance(self.train_set, LatentStream) and self.trainer is not None:  # after a checkpoint is restored

@@ -13,14 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ddpm.data.sampler import (
-    EvaluationShare,
-    ResumableLoader,
-    ResumableSampler,
-    RunShape,
-    check_training_batches,
-    generator,
-)
+from ddpm.data.sampler import ResumableSampler, RunShape, check_training_batches, rank_loader
 from ddpm.data.sources import (
     ImageSet,
     Source,
@@ -246,20 +239,9 @@ class RAMDataModule(ScaleOnDevice):
         if dataset is None:
             raise RuntimeError("RAMDataModule.setup() has not run")
         # Training order: a function of (seed, epoch) that resumes mid-epoch, drawing no global RNG (data/sampler.py).
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        share = ResumableSampler if train else EvaluationShare  # validation: every image once over the ranks
-        sampler = share(dataset, num_replicas=world, rank=rank)
-        return (ResumableLoader if train else DataLoader)(
-            dataset,
-            sampler=sampler,
-            generator=generator(),
-            batch_size=self.batch_size,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=self.pin_memory,
-            collate_fn=keep_batch,
-        )
+        return rank_loader(dataset, train=train, trainer=self.trainer, batch_size=self.batch_size,
+                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                           pin_memory=self.pin_memory, collate_fn=keep_batch)  # fmt: skip
 
     def train_dataloader(self) -> DataLoader[Batch]:
         return self._loader(self.train_set, train=True)

@@ -88,6 +88,15 @@ class EvaluationShare(DistributedSampler):
         return len(self.indices)
 
 
+def rank_loader(dataset: Dataset[Any], *, train: bool, trainer: Any, **loader: Any) -> DataLoader:
+    """This process's loader of a map-style set (`loader`: DataLoader's other arguments): training a ResumableLoader
+    over a ResumableSampler, whole batches only; validation every sample once over the ranks (EvaluationShare)."""
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    share = ResumableSampler if train else EvaluationShare
+    return (ResumableLoader if train else DataLoader)(dataset, sampler=share(dataset, num_replicas=world, rank=rank),
+                                                      generator=generator(), drop_last=train, **loader)  # fmt: skip
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader over a ResumableSampler whose state is (epoch, batches handed out this epoch, samples seen)."""
 
